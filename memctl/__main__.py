@@ -1,0 +1,5 @@
+import sys
+
+from memctl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""Capability checks and glue between PyTorch tensors and Numba kernels.
+
+Nothing here imports ``numba.cuda`` or touches a device until a function is called,
+so ``import memctl`` stays free of CUDA initialisation and JIT compilation.
+
+NOTE [ CUDA simulator ]
+With ``NUMBA_ENABLE_CUDASIM=1`` (set before ``numba.cuda`` is first imported) Numba runs
+CUDA kernels in a Python simulator: bit-exact, about 400 values/s, no
+``as_cuda_array``. There the CUDA implementation accepts CPU tensors and copies them
+into simulated device arrays, which is how the CPU-only tiers test the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from memctl.codecs.base import Impl
+from memctl.errors import CodecError, CudaUnavailableError
+
+__all__ = [
+    "CUDA_EXTRA_HINT",
+    "cuda",
+    "cuda_kernels_available",
+    "cuda_simulated",
+    "from_device_array",
+    "resolve_impl",
+    "to_device_array",
+    "torch_stream",
+]
+
+CUDA_EXTRA_HINT = (
+    "compiling Numba-CUDA kernels for a real GPU needs the CUDA compiler libraries: "
+    "install memctl with the extra matching your driver, `pip install 'memctl[cuda12]'` "
+    "or `pip install 'memctl[cuda13]'`"
+)
+
+
+@functools.cache
+def cuda() -> ModuleType:
+    """The ``numba.cuda`` module, imported on first use."""
+    try:
+        return importlib.import_module("numba.cuda")
+    except Exception as exc:  # pragma: no cover - numba-cuda is a dependency
+        raise CudaUnavailableError(f"numba.cuda could not be imported ({exc}); {CUDA_EXTRA_HINT}") from exc
+
+
+def cuda_simulated() -> bool:
+    """True when Numba's CUDA simulator is active (see NOTE [ CUDA simulator ])."""
+    try:
+        from numba.cuda import config as cuda_config
+    except Exception:  # pragma: no cover
+        return False
+    return bool(cuda_config.ENABLE_CUDASIM)  # type: ignore[attr-defined]
+
+
+def cuda_kernels_available() -> bool:
+    """True when CUDA kernels can run: a real device, or the simulator."""
+    try:
+        return bool(cuda().is_available())
+    except Exception:
+        return False
+
+
+def resolve_impl(impl: Impl | str | None, t_device: torch.device) -> Impl:
+    """The implementation to run for data on ``t_device``; validates ``impl``."""
+    if impl is None:
+        return Impl.CUDA if t_device.type == "cuda" else Impl.CPU
+    try:
+        chosen = Impl(impl)
+    except ValueError:
+        allowed = ", ".join(repr(i.value) for i in Impl)
+        raise CodecError(f"impl={impl!r} is not one of {allowed} (or None for automatic)") from None
+    if chosen is Impl.CPU and t_device.type != "cpu":
+        raise CodecError(
+            f"impl='cpu' needs a CPU tensor, got one on {t_device}; move it with .cpu() "
+            "or use impl='cuda'"
+        )
+    if chosen is Impl.CUDA and t_device.type != "cuda" and not cuda_simulated():
+        raise CodecError(
+            f"impl='cuda' needs a CUDA tensor, got one on {t_device}; move it with .cuda() "
+            "or set NUMBA_ENABLE_CUDASIM=1 to run the kernels in Numba's simulator"
+        )
+    return chosen
+
+
+def to_device_array(t: torch.Tensor) -> Any:
+    """A Numba device array over ``t`` (contiguous).
+
+    On a real GPU this is a zero-copy view through ``__cuda_array_interface__``; in the
+    simulator a CPU tensor is copied into a simulated device array.
+    """
+    if t.device.type == "cuda":
+        return cuda().as_cuda_array(t.detach())
+    return cuda().to_device(t.detach().contiguous().numpy())
+
+
+def from_device_array(arr: Any, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device`` holding ``arr`` (zero-copy on a real GPU)."""
+    if device.type == "cuda":
+        return torch.as_tensor(arr, device=device)
+    return torch.from_numpy(arr.copy_to_host())
+
+
+def torch_stream(device: torch.device) -> Any:
+    """PyTorch's current stream on ``device`` as a Numba stream (0, the default, in the simulator)."""
+    if device.type != "cuda":
+        return 0
+    return cuda().external_stream(torch.cuda.current_stream(device).cuda_stream)

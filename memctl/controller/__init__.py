@@ -1,0 +1,1 @@
+"""The controller: saved-tensor hooks, statistics, bit allocation, budget and batch size."""

@@ -1,0 +1,1 @@
+"""Memory readers (NVML, PyTorch's allocator, host) and a sampler with a bounded history."""
