@@ -1,0 +1,296 @@
+"""The FastAPI app factory: :func:`create_app` over a :class:`~memctl.api.view.ControllerView`."""
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from memctl._version import __version__
+from memctl.api.metrics import build_registry
+from memctl.api.models import (
+    BudgetChangeResponse,
+    BudgetInfoResponse,
+    BudgetRequest,
+    ErrorResponse,
+    HealthResponse,
+    HistoryResponse,
+    LayersResponse,
+    StatsResponse,
+)
+from memctl.api.view import ControllerView
+from memctl.controller.budget import parse_budget
+from memctl.errors import ConfigError, MemctlError
+
+__all__ = ["create_app"]
+
+# This module has no ``from __future__ import annotations``: FastAPI reads the endpoints'
+# annotations at runtime, and they refer to create_app's local variables.
+
+_log = logging.getLogger("memctl.api")
+
+_STATS_EVENTS = 50  # events listed by /v1/stats; the snapshot's own list is bounded too
+_MAX_BODY_LIMIT = 1 << 20
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (401, 403, 413, 422, 500, 503)
+}
+
+# NOTE [ What the service may do ]
+# The app holds nothing but the view: it reads snapshots and queues budget requests, so it
+# never touches CUDA, the model or the controller's locks beyond the view's own methods.
+# Every path a client controls ends in a 4xx: the body is capped before parsing (413),
+# the token is checked before the body is read (401/403), the body is parsed by hand
+# (so curl's default form content type works and a bad body is a 422 with a sentence,
+# not a 400 from the framework), and budgets go through parse_budget before the view.
+# Anything unexpected becomes a JSON 500 in _GuardMiddleware, never a dropped connection.
+
+
+def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes: int = 4096,
+               history_capacity: int = 600) -> FastAPI:
+    """A fresh FastAPI app serving ``view``.
+
+    Args:
+        view: The controller's read-only view (:class:`~memctl.api.view.ControllerView`).
+        token: When set, ``PUT`` requests need ``Authorization: Bearer <token>`` (401 when
+            missing, 403 when wrong). Configuration comes only from arguments;
+            :func:`~memctl.api.serve` reads ``MEMCTL_TOKEN``.
+        max_body_bytes: Larger request bodies get 413, by ``Content-Length`` and by the
+            bytes actually sent.
+        history_capacity: The largest ``limit`` ``/v1/history`` accepts: the monitor's capacity.
+
+    Raises:
+        ConfigError: an argument is out of range.
+    """
+    _check_token(token)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+            or not 64 <= max_body_bytes <= _MAX_BODY_LIMIT:
+        raise ConfigError(f"max_body_bytes={max_body_bytes!r} must be an int in [64, {_MAX_BODY_LIMIT}]")
+    if isinstance(history_capacity, bool) or not isinstance(history_capacity, int) or history_capacity < 1:
+        raise ConfigError(
+            f"history_capacity={history_capacity!r} must be a positive int (the monitor's capacity)"
+        )
+
+    app = FastAPI(
+        title="memctl",
+        version=__version__,
+        description="Live state and control of a memctl Controller: compressed activations under a budget.",
+        responses=_ERRORS,
+    )
+    app.add_middleware(_GuardMiddleware, max_body_bytes=max_body_bytes)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    registry = build_registry(view)
+    guard = [Depends(_bearer_guard(token))] if token is not None else []
+
+    @app.get("/healthz", response_model=HealthResponse, tags=["service"])
+    def healthz() -> dict[str, Any]:
+        """Liveness, and the last step the controller published."""
+        return {"status": "ok", "step": view.snapshot()["step"]}
+
+    @app.get("/v1/stats", response_model=StatsResponse, tags=["state"])
+    def stats() -> dict[str, Any]:
+        """Step, budget, device memory, activation bytes and ratio, last allocation, recent events."""
+        snap = dict(view.snapshot())
+        snap["events"] = list(snap["events"])[-_STATS_EVENTS:]
+        return snap
+
+    @app.get("/v1/layers", response_model=LayersResponse, tags=["state"])
+    def layers() -> dict[str, Any]:
+        """Per-layer bits or error bound, raw and packed bytes, sensitivity."""
+        snap = view.snapshot()
+        return {"step": snap["step"], "layers": list(snap["layers"])}
+
+    @app.get("/v1/budget", response_model=BudgetInfoResponse, tags=["budget"])
+    def get_budget() -> dict[str, Any]:
+        """The budget in force and any change queued for the next step."""
+        return dict(view.budget_info())
+
+    @app.put("/v1/budget", response_model=BudgetChangeResponse, tags=["budget"], dependencies=guard,
+             openapi_extra=_budget_body_schema())
+    async def put_budget(request: Request) -> dict[str, Any]:
+        """Queue a new budget (bytes, "10GiB", "75%", or null for no limit) for the next step boundary."""
+        body = _parse_budget_body(await request.body())
+        try:
+            parse_budget(body.target)
+            result = await run_in_threadpool(view.request_budget, body.target)
+        except ConfigError as exc:  # BudgetError included
+            raise HTTPException(status_code=422, detail=f"target: {exc}") from None
+        except MemctlError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from None
+        return dict(result)
+
+    @app.get("/v1/history", response_model=HistoryResponse, tags=["state"])
+    def history(
+        limit: Annotated[int | None, Query(ge=1, le=history_capacity,
+                                           description="most recent samples to return")] = None,
+    ) -> dict[str, Any]:
+        """The monitor's samples, oldest first."""
+        samples = [dict(s) for s in view.history(limit)][-history_capacity:]
+        return {"count": len(samples), "samples": samples}
+
+    @app.get("/metrics", tags=["service"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
+    def metrics() -> Response:
+        """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check_token(token: str | None) -> None:
+    if token is None:
+        return
+    if not isinstance(token, str) or not token or not all(33 <= ord(c) <= 126 for c in token):
+        shown = f"a string of length {len(token)}" if isinstance(token, str) else f"a {type(token).__name__}"
+        raise ConfigError(
+            f"token must be a non-empty string of visible ASCII characters (no spaces), as sent in "
+            f"'Authorization: Bearer <token>'; got {shown}"
+        )
+
+
+def _bearer_guard(token: str) -> Callable[..., Awaitable[None]]:
+    expected = token.encode("ascii")
+    bearer = HTTPBearer(auto_error=False, description="the token given to create_app / serve (MEMCTL_TOKEN)")
+
+    async def require_token(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    ) -> None:
+        if credentials is None:
+            raise HTTPException(
+                status_code=401,
+                detail="this endpoint needs 'Authorization: Bearer <token>' (the server's MEMCTL_TOKEN)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not hmac.compare_digest(credentials.credentials.encode("utf-8", "surrogateescape"), expected):
+            raise HTTPException(status_code=403, detail="the bearer token is wrong")
+
+    return require_token
+
+
+def _budget_body_schema() -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": BudgetRequest.model_json_schema()}},
+        }
+    }
+
+
+def _parse_budget_body(raw: bytes) -> BudgetRequest:
+    if not raw.strip():
+        raise HTTPException(
+            status_code=422, detail='the request body is empty; send JSON such as {"target": "10GiB"}'
+        )
+    try:
+        return BudgetRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = [
+            {"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]} for err in exc.errors()
+        ]
+        raise RequestValidationError(errors) from None
+
+
+def _describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    parts = []
+    in_body = False
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        in_body = in_body or loc[:1] == ["body"]
+        field = ".".join(str(x) for x in loc if x not in ("body", "query", "path", "header"))
+        field = field or (str(loc[0]) if loc else "request")
+        parts.append(f"{field}: {err.get('msg', '')}")
+    hint = ' (send JSON such as {"target": "10GiB"})' if in_body else ""
+    return "; ".join(parts) + hint
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": [x if isinstance(x, int) else str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
+         "type": str(e.get("type", ""))}
+        for e in exc.errors()
+    ]
+    return JSONResponse({"detail": _describe_errors(errors), "errors": errors}, status_code=422)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    headers = getattr(exc, "headers", None)
+    return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=headers)
+
+
+async def _send_json(send: Send, status: int, detail: str) -> None:
+    response = JSONResponse({"detail": detail}, status_code=status)
+    await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class _GuardMiddleware:
+    """Caps request bodies (413) and turns unexpected exceptions into a JSON 500."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        length = Headers(scope=scope).get("content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                await _send_json(send, 400, f"Content-Length {length!r} is not a number of bytes")
+                return
+            if int(length) > limit:
+                detail = f"request body of {int(length)} bytes exceeds the limit of {limit} bytes"
+                await _send_json(send, 413, detail)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _send_json(send, 413, f"request body exceeds the limit of {limit} bytes")
+                return
+            chunks.append(chunk)
+            more = bool(message.get("more_body", False))
+        buffered: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal buffered
+            if buffered is not None:
+                message, buffered = buffered, None
+                return message
+            return await receive()
+
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracking_send)
+        except Exception as exc:
+            _log.exception("memctl API: unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await _send_json(send, 500, f"internal error ({type(exc).__name__}); see the server's log")
