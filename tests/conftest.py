@@ -29,3 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
         if "cudasim" in item.keywords and not CUDASIM:
             item.add_marker(skip_sim)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_saved_tensor_hooks() -> object:
+    """Every test must leave autograd's saved-tensor hook stack as it found it."""
+    before = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    yield
+    after = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    assert after is before or after == before, "a test left saved-tensor hooks pushed"

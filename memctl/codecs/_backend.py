@@ -28,6 +28,7 @@ __all__ = [
     "cuda_kernels_available",
     "cuda_simulated",
     "from_device_array",
+    "is_cuda_compile_error",
     "resolve_impl",
     "to_device_array",
     "torch_stream",
@@ -111,3 +112,25 @@ def torch_stream(device: torch.device) -> Any:
     if device.type != "cuda":
         return 0
     return cuda().external_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def is_cuda_compile_error(exc: BaseException) -> bool:
+    """True when ``exc`` says a CUDA kernel could not be compiled (missing NVVM, NVRTC, libdevice).
+
+    NOTE [ CUDA fallback ]
+    Plain ``numba-cuda`` runs kernels in the simulator but cannot compile them for a real
+    GPU without its ``cu12``/``cu13`` extra (or a CUDA toolkit). A codec that meets one of
+    these errors falls back to its PyTorch reference on the GPU (same bytes, slower) and
+    warns once per codec instance, naming :data:`CUDA_EXTRA_HINT`. Any other error (a bug,
+    an out-of-memory) propagates.
+    """
+    from numba.cuda.cudadrv import error as cuda_error
+
+    names = ("NvvmSupportError", "NvvmError", "NvrtcError", "NvrtcSupportError", "CCSupportError")
+    compile_errors = tuple(c for c in (getattr(cuda_error, n, None) for n in names) if isinstance(c, type))
+    if compile_errors and isinstance(exc, compile_errors):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (OSError, RuntimeError, ImportError)) and any(
+        word in text for word in ("libdevice", "nvvm", "nvrtc", "libcudart", "cuda_runtime.h")
+    )

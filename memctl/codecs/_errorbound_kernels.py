@@ -1,0 +1,396 @@
+"""Numba kernels of the ``errorbound`` codec: one per-group algorithm, two targets.
+
+The per-group steps (plan, pack, unpack) are written once, as plain Python, inside
+:func:`make_group_ops`, which compiles them with whichever decorator it is given:
+``numba.njit`` for the CPU kernels here, ``numba.cuda.jit(device=True)`` for the CUDA
+ones in :mod:`memctl.codecs._errorbound_cuda`.
+The CPU and CUDA kernels therefore run the same statements; the PyTorch reference in
+:mod:`memctl.codecs._errorbound_reference` is written independently and the tests hold
+all three to byte-identical output. The format and the arithmetic are described in
+NOTE [ errorbound format ] and NOTE [ errorbound arithmetic ] in
+:mod:`memctl.codecs.errorbound`.
+
+Nothing here imports Numba until :func:`cpu_kernels` or :func:`cuda_kernels` is first
+called; both build (compile) once per process.
+
+NOTE [ errorbound parallelism ]
+Encoding runs one work item per group (a ``prange`` iteration on the CPU, a CUDA thread
+on the GPU): pass 1 finds the group's bound, step, codes, bit width and mode; a device
+``cumsum`` turns sizes into payload offsets; pass 2 recomputes the codes and ORs the
+group's bits into the zeroed payload (groups are byte-aligned, so no two work items
+touch the same byte). On the GPU that is ``ceil(n / G)`` threads, few for small
+tensors; a block-per-group encoder (shared-memory reductions, a block scan for sparse
+ranks) would use the device better and is the natural next step. Decoding on the GPU
+runs one thread per value (a sparse value finds its rank by counting the bitmap's bits
+before it); on the CPU one ``prange`` iteration per group reads the group sequentially.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+from memctl.codecs._errorbound_format import (
+    EG_CLAMP,
+    FLT_MAX,
+    MAX_BITS,
+    MODE_BITS,
+    MODE_RAW,
+    MODE_SPARSE,
+    Q_LIMIT,
+    STEP_FACTOR,
+)
+
+__all__ = ["GroupOps", "Kernels", "cpu_kernels", "cuda_kernels", "cuda_signatures", "make_group_ops"]
+
+
+class GroupOps(NamedTuple):
+    """The per-group steps compiled for one target."""
+
+    plan: Any
+    pack: Any
+    unpack_group: Any
+    unpack_value: Any
+
+
+class Kernels(NamedTuple):
+    """Launchable kernels of one target (see the ``_make_*_kernels`` functions)."""
+
+    plan: Any
+    pack: Any
+    unpack: Any
+
+
+def make_group_ops(jit: Any) -> GroupOps:
+    """Compile the per-group steps with ``jit`` (``numba.njit`` or ``cuda.jit(device=True)``).
+
+    Every integer is widened to int64 before it is shifted or combined, and every float
+    to float64 before arithmetic, so that Numba, Numba-CUDA and the CUDA simulator
+    (which runs this code as Python on NumPy scalars) type it identically.
+    """
+    import numba
+
+    nb: Any = numba  # scalar casts; typed Any for mypy (they are NumPy scalars in the simulator)
+    float32, float64, int32, int64, uint8 = nb.float32, nb.float64, nb.int32, nb.int64, nb.uint8
+
+    @jit
+    def bit_width(r: Any) -> Any:
+        """The smallest b with 2^b > r (r >= 0): bits for codes 0..r."""
+        b = int64(0)
+        while b < 31 and (int64(1) << b) <= r:
+            b += 1
+        return b
+
+    @jit
+    def quantize(xv: Any, s: Any) -> Any:
+        """Grid index of ``xv`` (float64) for step ``s`` (float64), rounding half up."""
+        return int64(math.floor(xv / s + 0.5))
+
+    @jit
+    def plan(
+        x: Any, g: Any, n: Any, gs: Any, e: Any, cast_rel: Any, cast_min: Any, shrink: Any,
+        vmax: Any, raw_width: Any, mode: Any, qmin: Any, step: Any, size: Any,
+    ) -> None:
+        """Pass 1 for group ``g``: its mode, qmin, step and payload size in bytes."""
+        start = g * gs
+        end = min(start + gs, n)
+        length = end - start
+        ok = True
+        m = float64(0.0)
+        for i in range(start, end):
+            a = abs(float64(x[i]))
+            if not (a <= FLT_MAX):  # NaN or +-Inf
+                ok = False
+                break
+            if a > m:
+                m = a
+        eg = float64(e)
+        if cast_rel > 0.0:
+            h = (m + e) * cast_rel
+            if h < cast_min:
+                h = cast_min
+            eg = (e - h) * shrink
+        if eg > EG_CLAMP:
+            eg = float64(EG_CLAMP)
+        s32 = float32(0.0)
+        if ok and eg > 0.0:
+            s32 = float32(eg * STEP_FACTOR)
+        s = float64(s32)
+        ok = ok and s > 0.0
+        lim = Q_LIMIT * s
+        qlo = int64(1) << 40
+        qhi = -(int64(1) << 40)
+        nnz = int64(0)
+        if ok:
+            for i in range(start, end):
+                xv = float64(x[i])
+                if not (abs(xv) <= lim):
+                    ok = False
+                    break
+                q = quantize(xv, s)
+                prod = float64(q) * s
+                if not (abs(prod) <= vmax):
+                    ok = False
+                    break
+                v = float64(float32(prod))
+                if not (abs(v - xv) <= eg):
+                    ok = False
+                    break
+                if q < qlo:
+                    qlo = q
+                if q > qhi:
+                    qhi = q
+                nnz += int64(q != 0)
+        b = int64(0)
+        if ok:
+            b = bit_width(qhi - qlo)
+            ok = b <= MAX_BITS
+        if not ok:
+            mode[g] = uint8(MODE_RAW)
+            qmin[g] = int32(0)
+            step[g] = float32(0.0)
+            size[g] = (length * raw_width) // 8
+            return
+        dense = (length * b + 7) // 8
+        sparse = (length + nnz * b + 7) // 8
+        if b > 0 and sparse < dense:
+            mode[g] = uint8(b | MODE_SPARSE)
+            size[g] = sparse
+        else:
+            mode[g] = uint8(b)
+            size[g] = dense
+        qmin[g] = int32(qlo)
+        step[g] = s32
+
+    @jit
+    def or_byte(payload: Any, p: Any, bits: Any) -> None:
+        """OR the low 8 bits of ``bits`` into ``payload[p]`` (the payload starts zeroed)."""
+        payload[p] = uint8(int64(payload[p]) | (bits & 255))
+
+    @jit
+    def pack(
+        x: Any, xraw: Any, g: Any, n: Any, gs: Any, raw_width: Any,
+        mode: Any, qmin: Any, step: Any, offset: Any, payload: Any,
+    ) -> None:
+        """Pass 2 for group ``g``: OR its bits, LSB first, into the zeroed payload at ``offset[g]``.
+
+        One pass over the values and no data-dependent branch per value (ReLU data makes
+        ``q != 0`` a coin flip): a sparse group's bitmap bits and codes go to their two
+        regions as they come, and a skipped code is a zero-width one.
+        """
+        start = g * gs
+        length = min(start + gs, n) - start
+        md = int64(mode[g])
+        raw = (md & MODE_RAW) != 0
+        sparse = (md & MODE_SPARSE) != 0
+        width = raw_width if raw else md & MODE_BITS
+        if width == 0:
+            return
+        first = int64(offset[g])
+        s = float64(step[g])
+        lo = int64(qmin[g])
+        mask = (int64(1) << raw_width) - 1
+        p = first  # next byte of the code stream
+        acc = int64(0)  # pending code bits: fewer than 32 between codes, so at most 63
+        nacc = int64(0)
+        if sparse:  # the codes follow the length-bit bitmap
+            p = first + (length >> 3)
+            nacc = length & 7
+        bitmap = int64(0)
+        for k in range(length):
+            keep = int64(1)
+            if raw:
+                code = int64(xraw[start + k]) & mask
+            else:
+                q = quantize(float64(x[start + k]), s)
+                if sparse:
+                    keep = int64(q != 0)
+                code = (q - lo) * keep
+            if sparse:
+                bitmap |= keep << (k & 7)
+                if (k & 7) == 7:
+                    or_byte(payload, first + (k >> 3), bitmap)
+                    bitmap = int64(0)
+            acc |= code << nacc
+            nacc += width * keep
+            if nacc >= 32:
+                for j in range(4):
+                    or_byte(payload, p + j, acc >> (8 * j))
+                p += 4
+                acc >>= 32
+                nacc -= 32
+        if sparse and (length & 7) != 0:
+            or_byte(payload, first + (length >> 3), bitmap)
+        while nacc > 0:
+            or_byte(payload, p, acc)
+            p += 1
+            acc >>= 8
+            nacc -= 8
+
+    @jit
+    def read_bits(payload: Any, pos: Any, w: Any) -> Any:
+        """The ``w``-bit code at bit ``pos`` of ``payload`` (0 when w == 0).
+
+        Reads only the bytes holding bits pos .. pos + w - 1: none when w == 0 and pos is
+        byte-aligned, else bytes that the group owns (the one holding bit pos - 1).
+        """
+        first = pos >> 3
+        sh = pos & 7
+        acc = int64(0)
+        for j in range((sh + w + 7) >> 3):
+            acc |= int64(payload[first + j]) << (8 * j)
+        return (acc >> sh) & ((int64(1) << w) - 1)
+
+    @jit
+    def raw_value(code: Any, exp_bits: Any, man_bits: Any) -> Any:
+        """The float64 value of a float16/bfloat16/float32 bit pattern (NaN made canonical)."""
+        man = code & ((int64(1) << man_bits) - 1)
+        ex = (code >> man_bits) & ((int64(1) << exp_bits) - 1)
+        neg = ((code >> (man_bits + exp_bits)) & 1) != 0
+        bias = (int64(1) << (exp_bits - 1)) - 1
+        if ex == (int64(1) << exp_bits) - 1:
+            val = math.inf if man == 0 else math.nan
+        elif ex == 0:
+            val = math.ldexp(float64(man), int(1 - bias - man_bits))
+        else:
+            val = math.ldexp(float64(man + (int64(1) << man_bits)), int(ex - bias - man_bits))
+        return -val if neg else val
+
+    @jit
+    def unpack_group(
+        payload: Any, g: Any, n: Any, gs: Any, exp_bits: Any, man_bits: Any,
+        mode: Any, qmin: Any, step: Any, offset: Any, out: Any,
+    ) -> None:
+        """Decode group ``g`` sequentially into ``out`` (float32)."""
+        start = g * gs
+        end = min(start + gs, n)
+        md = int64(mode[g])
+        base = int64(offset[g]) * 8
+        if (md & MODE_RAW) != 0:
+            w = 1 + exp_bits + man_bits
+            for i in range(start, end):
+                code = read_bits(payload, base + (i - start) * w, w)
+                out[i] = float32(raw_value(code, exp_bits, man_bits))
+            return
+        b = md & MODE_BITS
+        s = float64(step[g])
+        lo = int64(qmin[g])
+        if (md & MODE_SPARSE) != 0:
+            pos = base + (end - start)
+            for i in range(start, end):  # branch-free: a zero is a zero-width code and q = 0
+                nz = read_bits(payload, base + (i - start), 1)
+                q = (read_bits(payload, pos, b * nz) + lo) * nz
+                pos += b * nz
+                out[i] = float32(float64(q) * s)
+        else:
+            for i in range(start, end):
+                q = read_bits(payload, base + (i - start) * b, b) + lo
+                out[i] = float32(float64(q) * s)
+
+    @jit
+    def popcount8(v: Any) -> Any:
+        """Number of set bits of a byte."""
+        c = int64(v)
+        c = c - ((c >> 1) & 0x55)
+        c = (c & 0x33) + ((c >> 2) & 0x33)
+        return (c + (c >> 4)) & 0x0F
+
+    @jit
+    def unpack_value(
+        payload: Any, i: Any, n: Any, gs: Any, exp_bits: Any, man_bits: Any,
+        mode: Any, qmin: Any, step: Any, offset: Any, out: Any,
+    ) -> None:
+        """Decode value ``i`` alone into ``out[i]`` (the same result as :func:`unpack_group`)."""
+        g = i // gs
+        j = i - g * gs
+        length = min(gs, n - g * gs)
+        md = int64(mode[g])
+        base = int64(offset[g]) * 8
+        if (md & MODE_RAW) != 0:
+            w = 1 + exp_bits + man_bits
+            out[i] = float32(raw_value(read_bits(payload, base + j * w, w), exp_bits, man_bits))
+            return
+        b = md & MODE_BITS
+        lo = int64(qmin[g])
+        if (md & MODE_SPARSE) != 0:
+            if read_bits(payload, base + j, 1) == 0:
+                out[i] = float32(0.0)
+                return
+            first = int64(offset[g])
+            rank = int64(0)
+            for k in range(j >> 3):
+                rank += popcount8(payload[first + k])
+            rest = j & 7
+            if rest != 0:
+                rank += popcount8(int64(payload[first + (j >> 3)]) & ((int64(1) << rest) - 1))
+            q = read_bits(payload, base + length + rank * b, b) + lo
+        else:
+            q = read_bits(payload, base + j * b, b) + lo
+        out[i] = float32(float64(q) * float64(step[g]))
+
+    return GroupOps(plan, pack, unpack_group, unpack_value)
+
+
+@functools.cache
+def cpu_kernels() -> Kernels:
+    """The ``@njit(parallel=True)`` kernels (compiled on first launch, per argument types)."""
+    import numba
+
+    ops = make_group_ops(numba.njit(fastmath=False))
+    plan_group, pack_group, unpack_group = ops.plan, ops.pack, ops.unpack_group
+
+    @numba.njit(parallel=True, fastmath=False)
+    def plan(
+        x: Any, n: Any, gs: Any, e: Any, cast_rel: Any, cast_min: Any, shrink: Any, vmax: Any,
+        raw_width: Any, mode: Any, qmin: Any, step: Any, size: Any,
+    ) -> None:
+        for g in numba.prange(mode.shape[0]):
+            plan_group(x, g, n, gs, e, cast_rel, cast_min, shrink, vmax, raw_width, mode, qmin, step, size)
+
+    @numba.njit(parallel=True, fastmath=False)
+    def pack(
+        x: Any, xraw: Any, n: Any, gs: Any, raw_width: Any,
+        mode: Any, qmin: Any, step: Any, offset: Any, payload: Any,
+    ) -> None:
+        for g in numba.prange(mode.shape[0]):
+            pack_group(x, xraw, g, n, gs, raw_width, mode, qmin, step, offset, payload)
+
+    @numba.njit(parallel=True, fastmath=False)
+    def unpack(
+        payload: Any, n: Any, gs: Any, exp_bits: Any, man_bits: Any,
+        mode: Any, qmin: Any, step: Any, offset: Any, out: Any,
+    ) -> None:
+        for g in numba.prange(mode.shape[0]):
+            unpack_group(payload, g, n, gs, exp_bits, man_bits, mode, qmin, step, offset, out)
+
+    return Kernels(plan, pack, unpack)
+
+
+def cuda_signatures() -> dict[str, list[Any]]:
+    """Argument types of the CUDA kernels, compiled eagerly so a missing toolchain shows at once."""
+    from numba import types as nt
+
+    f32, i16, i32, i64, u8 = (nt.float32[::1], nt.int16[::1], nt.int32[::1], nt.int64[::1], nt.uint8[::1])
+    f64 = nt.float64
+    meta = (u8, i32, f32)
+    return {
+        "plan": [nt.void(f32, nt.int64, nt.int64, f64, f64, f64, f64, f64, nt.int64, *meta, i64)],
+        "pack": [nt.void(f32, raw, nt.int64, nt.int64, nt.int64, *meta, i64, u8) for raw in (i16, i32)],
+        "unpack": [nt.void(u8, nt.int64, nt.int64, nt.int64, nt.int64, *meta, i64, f32)],
+    }
+
+
+@functools.cache
+def cuda_kernels() -> Kernels:
+    """The Numba-CUDA kernels (``fastmath=False``), from :mod:`memctl.codecs._errorbound_cuda`.
+
+    On a real GPU the first call compiles them and raises the toolchain's error when NVVM
+    or NVRTC is missing; in the simulator it only wraps them.
+    """
+    from memctl.codecs._backend import cuda
+
+    cuda()  # a clear CudaUnavailableError when numba.cuda cannot be imported
+    from memctl.codecs import _errorbound_cuda as kernels
+
+    return Kernels(kernels.plan, kernels.pack, kernels.unpack)

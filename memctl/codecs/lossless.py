@@ -1,0 +1,154 @@
+"""The ``lossless`` codec: exact storage of any tensor, bool masks at one bit per value.
+
+Format: one uint8 buffer ``payload``.
+
+- ``torch.bool``: ``ceil(n / 8)`` bytes, value ``j`` of the flattened tensor in bit ``j % 8``
+  of byte ``j // 8`` (LSB first), the bits past the end 0: 8x smaller than PyTorch's
+  one byte per bool (dropout and ReLU masks are saved as bools).
+- every other dtype (floats, ints, complex): the raw bytes of a contiguous copy.
+
+The record is always a copy: modifying the tensor after ``encode`` (autograd no longer
+detects in-place changes of a saved tensor once hooks are active) leaves the record as it
+was, and ``decode`` returns a fresh tensor, never a view of the record.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from memctl.codecs import _backend, _rng
+from memctl.codecs.base import Impl, Packed
+from memctl.errors import CodecError
+
+__all__ = ["LosslessCodec", "LosslessConfig"]
+
+_NAME = "lossless"
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class LosslessConfig:
+    """Configuration of :class:`LosslessCodec`: it has no options (kept for a uniform API)."""
+
+
+def _pack_reference(mask: torch.Tensor) -> torch.Tensor:
+    """Readable PyTorch bit-packing of a 1-D bool tensor."""
+    n = mask.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask.to(torch.uint8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=mask.device)
+    return (padded.reshape(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_reference(payload: torch.Tensor, n: int) -> torch.Tensor:
+    """Readable PyTorch unpacking: the first ``n`` bits of ``payload`` as bools."""
+    shifts = torch.arange(8, dtype=torch.int32, device=payload.device)
+    bits = (payload.to(torch.int32)[:, None] >> shifts) & 1
+    return bits.reshape(-1)[:n].to(torch.bool)
+
+
+class LosslessCodec:
+    """Exact codec for any dtype; see the module docstring for the format.
+
+    Promises: ``decode(encode(t))`` equals ``t`` bit for bit, with its shape, dtype and device.
+    """
+
+    name = _NAME
+
+    def __init__(self) -> None:
+        self.config = LosslessConfig()
+        self._cuda_failed = False  # NOTE [ CUDA fallback ] in _backend: warn once per codec
+
+    def __repr__(self) -> str:
+        return "LosslessCodec()"
+
+    def encode(
+        self,
+        t: torch.Tensor,
+        *,
+        bits: int | None = None,
+        error_bound: float | None = None,
+        seed: int = 0,
+        impl: Impl | str | None = None,
+    ) -> Packed:
+        """Store ``t`` exactly (``bits`` and ``error_bound`` must be None; ``seed`` is unused)."""
+        if not isinstance(t, torch.Tensor):
+            raise CodecError(f"'lossless' encodes a torch.Tensor, got {type(t).__name__}")
+        if bits is not None or error_bound is not None:
+            raise CodecError(
+                f"'lossless' is exact and takes no bits/error_bound (got bits={bits!r}, "
+                f"error_bound={error_bound!r}); pass neither, or use 'quantize'/'errorbound'"
+            )
+        if t.layout is not torch.strided or t.is_quantized:
+            raise CodecError(
+                f"'lossless' encodes dense strided tensors, got layout={t.layout}"
+                f"{' (quantized)' if t.is_quantized else ''}; convert with .to_dense() or .dequantize()"
+            )
+        _rng.check_seed(seed)
+        chosen = _backend.resolve_impl(impl, t.device)
+        flat = t.detach().reshape(-1)
+        if t.dtype is torch.bool:
+            payload = self._pack(chosen, flat.contiguous())
+        else:
+            payload = flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+        return Packed(
+            codec=_NAME,
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            device=t.device,
+            buffers={"payload": payload},
+            params={"layout": "bits" if t.dtype is torch.bool else "raw"},
+        )
+
+    def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
+        """The exact tensor a record holds, as a new tensor on the record's device."""
+        if not isinstance(p, Packed) or p.codec != _NAME:
+            got = p.codec if isinstance(p, Packed) else type(p).__name__
+            raise CodecError(f"'lossless' decodes its own Packed records, got {got!r}; use codecs.decode(p)")
+        if "payload" not in p.buffers:
+            raise CodecError("lossless record lacks its 'payload' buffer; it was not written by encode")
+        payload = p.buffers["payload"]
+        chosen = _backend.resolve_impl(impl, p.device)
+        if p.dtype is torch.bool:
+            flat = self._unpack(chosen, payload, p.numel)
+        else:
+            flat = payload.clone().view(p.dtype)
+        return flat.reshape(p.shape).to(p.device)
+
+    def _pack(self, chosen: Impl, mask: torch.Tensor) -> torch.Tensor:
+        from memctl.codecs import _lossless_kernels
+
+        if chosen is Impl.CPU:
+            return _lossless_kernels.pack_cpu(mask)
+        if chosen is Impl.CUDA and not self._cuda_failed:
+            try:
+                return _lossless_kernels.pack_cuda(mask)
+            except Exception as exc:
+                self._cuda_fallback(exc)
+        return _pack_reference(mask)
+
+    def _unpack(self, chosen: Impl, payload: torch.Tensor, n: int) -> torch.Tensor:
+        from memctl.codecs import _lossless_kernels
+
+        if chosen is Impl.CPU:
+            return _lossless_kernels.unpack_cpu(payload, n)
+        if chosen is Impl.CUDA and not self._cuda_failed:
+            try:
+                return _lossless_kernels.unpack_cuda(payload, n)
+            except Exception as exc:
+                self._cuda_fallback(exc)
+        return _unpack_reference(payload, n)
+
+    def _cuda_fallback(self, exc: Exception) -> None:
+        if not _backend.is_cuda_compile_error(exc):
+            raise exc
+        self._cuda_failed = True
+        warnings.warn(
+            f"'lossless': the CUDA kernel could not be compiled ({type(exc).__name__}: {exc}); "
+            f"using the PyTorch reference on the GPU instead. {_backend.CUDA_EXTRA_HINT}",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -1,0 +1,318 @@
+"""The ``quantize`` codec: ActNN-style per-group stochastic quantization to 1, 2, 4 or 8 bits.
+
+Format (one record per tensor; ``n`` values of the flattened tensor, ``G`` the group size,
+``b`` the bits, ``B = 2**b - 1``, ``ngroups = ceil(n / G)``):
+
+- ``meta``: float32 ``[ngroups, 2]``, each group's ``(min, max)`` over its finite values,
+  exact (an all-non-finite group stores ``(0, 0)``; a zero is stored as ``+0.0``).
+- ``payload``: uint8 ``[ngroups * G * b / 8]``, value ``j``'s code at byte ``(j*b) // 8``,
+  bit offset ``(j*b) % 8`` (little-endian within a byte); the last group's padding codes are 0.
+- ``exc_index`` (int64) and ``exc_value`` (float32): positions and original values of the
+  NaN/±Inf inputs, which are coded 0 and written back by decode (see NOTE [ Exception list ]).
+
+Encode, per finite value ``x`` of a group with ``mn, mx = meta[g]`` (all float64, IEEE)::
+
+    R = mx - mn;   s = (B * 2**24) / R  (s = 0 if R == 0)
+    T = int64((x - mn) * s)             # truncation, T >= 0: the position in 2**-24 steps
+    r = hash(seed, index) >> 8          # 24 random bits, NOTE [ Counter-based RNG ]
+    q = min((T + r) >> 24, B)
+
+which is ``T = trunc(t * 2**24)`` with ``t = (x - mn) * B / R``: folding the exact power-of-two
+factor into ``s`` changes no bit (no overflow or underflow is possible in float64). ``q`` is
+``floor(t)`` or ``floor(t) + 1``, the latter with probability ``frac(t)`` up to ``2**-24``:
+unbiased stochastic rounding, done in integers. Decode::
+
+    x_hat = float32(mn + (q * R) / B), clamped to [mn, mx], then cast to the original dtype.
+
+NOTE [ Quantize arithmetic ]
+No step of encode or decode multiplies and then adds (``(x - mn) * s`` subtracts first; decode
+adds after a division), so the FMA contraction that NVVM applies by default even with
+``fastmath=False`` cannot change a bit, and the reference, the CPU kernel and the CUDA kernel
+write identical bytes. Divisions are IEEE in all three (the reference never divides by a
+Python scalar, which PyTorch's CUDA backend turns into a reciprocal multiply).
+
+NOTE [ float32 group metadata ]
+``min`` and ``max`` are stored as float32, not float16: they are then exact for any float32
+input, including values near 1e38, tiny and denormal ones, so the one-step error bound holds
+everywhere. The cost is 8 bytes per group: at 2 bits and G = 256 a float32 group takes
+1024 bytes raw and 64 + 8 packed, a ratio of 14.2x (float16 metadata would give 15.1x).
+
+NOTE [ Exception list ]
+Non-finite inputs are rare in activations but must survive (a NaN that decodes finite
+hides a divergence). They are excluded from min/max, coded 0, and listed with torch ops
+(``isfinite``, ``nonzero``) in every implementation, so the lists are identical. The kernels
+report whether any group held one, so the lists are only built when needed; on a GPU that
+report is one small device-to-host read per encoded tensor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memctl.codecs import _backend, _rng
+from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
+from memctl.errors import CodecError, ConfigError
+
+__all__ = ["BITS", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
+
+BITS: tuple[int, ...] = (1, 2, 4, 8)
+_NAME = "quantize"
+
+
+def _check_group_size(group_size: object) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+        raise ConfigError(
+            f"group_size={group_size!r} must be a positive multiple of 8 (e.g. 128, 256); "
+            "round it to a multiple of 8"
+        )
+    return group_size
+
+
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise CodecError(f"bits={bits!r} is not supported by 'quantize'; use one of {list(BITS)}")
+    return int(bits)
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """Configuration of :class:`QuantizeCodec`.
+
+    Attributes:
+        group_size: values per group sharing one (min, max); a positive multiple of 8.
+        bits: default bits per value when ``encode`` gets ``bits=None``; one of 1, 2, 4, 8.
+    """
+
+    group_size: int = 256
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        _check_group_size(self.group_size)
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise ConfigError(f"bits={self.bits!r} must be one of {list(BITS)}; e.g. bits=2")
+
+
+def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """Exact ``Packed.nbytes`` of a quantize record of ``numel`` values with no non-finite value."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ConfigError(f"numel={numel!r} must be a non-negative int")
+    b = _check_bits(bits)
+    g = _check_group_size(group_size)
+    ngroups = -(-numel // g)
+    return ngroups * (g * b // 8) + ngroups * 2 * 4
+
+
+def _flat_float32(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D float32 tensor of ``t``'s values (a view when ``t`` already is one)."""
+    return t.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _exceptions(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and values of the non-finite entries of a flat float32 tensor."""
+    index = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
+    return index, flat[index]
+
+
+def _padded_groups(flat: torch.Tensor, group: int, fill: float) -> torch.Tensor:
+    n = flat.numel()
+    ngroups = -(-n // group)
+    padded = torch.full((ngroups * group,), fill, dtype=flat.dtype, device=flat.device)
+    padded[:n] = flat
+    return padded.reshape(ngroups, group)
+
+
+def _group_minmax(flat: torch.Tensor, group: int) -> torch.Tensor:
+    """``meta``: per-group (min, max) over finite values, float32, (0, 0) without any."""
+    x = _padded_groups(flat, group, float("nan"))
+    finite = torch.isfinite(x)
+    inf = torch.tensor(float("inf"), dtype=torch.float32, device=flat.device)
+    mn = torch.where(finite, x, inf).amin(dim=1)
+    mx = torch.where(finite, x, -inf).amax(dim=1)
+    none = mn > mx
+    mn = torch.where(none, torch.zeros_like(mn), mn) + 0.0  # + 0.0: -0.0 -> +0.0
+    mx = torch.where(none, torch.zeros_like(mx), mx) + 0.0
+    return torch.stack([mn, mx], dim=1)
+
+
+def _encode_reference(
+    flat: torch.Tensor, bits: int, group: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Readable PyTorch encode (the specification of the kernels): ``(payload, meta)``."""
+    big = (1 << bits) - 1
+    n = flat.numel()
+    meta = _group_minmax(flat, group)
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device), meta
+    mn = meta[:, 0].double()
+    rng = meta[:, 1].double() - mn
+    numerator = torch.full_like(rng, big * 2.0**24)
+    scale = torch.where(rng > 0, numerator / torch.where(rng > 0, rng, 1.0), 0.0)
+    x = _padded_groups(flat, group, 0.0).double()
+    finite = torch.isfinite(x)
+    d = torch.where(finite, x - mn[:, None], 0.0)
+    t = (d * scale[:, None]).to(torch.int64)
+    index = torch.arange(x.numel(), dtype=torch.int64, device=flat.device).reshape(x.shape)
+    r = _rng.hash_torch(seed, index) >> 8
+    q = torch.clamp_max((t + r) >> 24, big)
+    q = torch.where(finite & (index < n), q, 0)
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=flat.device)
+    payload = (q.reshape(-1, per) << shifts).sum(dim=1).to(torch.uint8)
+    return payload, meta
+
+
+def _decode_reference(
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int
+) -> torch.Tensor:
+    """Readable PyTorch decode: the float32 values, 1-D."""
+    big = (1 << bits) - 1
+    if n == 0:
+        return torch.empty(0, dtype=torch.float32, device=payload.device)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=payload.device)
+    q = ((payload.to(torch.int64)[:, None] >> shifts) & big).reshape(meta.shape[0], group)
+    mn32, mx32 = meta[:, 0:1], meta[:, 1:2]
+    mn = mn32.double()
+    rng = mx32.double() - mn
+    levels = torch.arange(big + 1, dtype=torch.float64, device=payload.device)[None, :]
+    divisor = torch.full((meta.shape[0], big + 1), float(big), dtype=torch.float64, device=payload.device)
+    table = (mn + (levels * rng) / divisor).to(torch.float32)
+    table = torch.maximum(torch.minimum(table, mx32), mn32)
+    return torch.gather(table, 1, q).reshape(-1)[:n]
+
+
+class QuantizeCodec:
+    """Per-group stochastic quantization (ActNN, Chen et al., ICML 2021); format in the module docstring.
+
+    Promises: ``decode(encode(t))`` has ``t``'s shape, dtype and device; every finite value is
+    within one step ``(max - min) / B`` of its group (plus the final rounding to ``t.dtype``);
+    ``E[decode(encode(t, seed=S))] = t`` over random seeds; NaN/±Inf come back in place.
+    """
+
+    name = _NAME
+
+    def __init__(self, group_size: int = 256, bits: int = 2) -> None:
+        self.config = QuantizeConfig(group_size=group_size, bits=bits)
+        self._cuda_failed = False  # NOTE [ CUDA fallback ] in _backend: warn once per codec
+
+    def __repr__(self) -> str:
+        return f"QuantizeCodec(group_size={self.config.group_size}, bits={self.config.bits})"
+
+    def encode(
+        self,
+        t: torch.Tensor,
+        *,
+        bits: int | None = None,
+        error_bound: float | None = None,
+        seed: int = 0,
+        impl: Impl | str | None = None,
+    ) -> Packed:
+        """Quantize ``t`` (float32/16, bfloat16; any shape and layout) to ``bits`` per value."""
+        if not isinstance(t, torch.Tensor):
+            raise CodecError(f"'quantize' encodes a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise CodecError(
+                f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
+                "convert with .float() or use the 'lossless' codec"
+            )
+        if error_bound is not None:
+            raise CodecError(
+                f"'quantize' takes bits, not error_bound={error_bound!r}; "
+                "use codecs.get('errorbound') for an absolute error bound"
+            )
+        b = self.config.bits if bits is None else _check_bits(bits)
+        s = _rng.check_seed(seed)
+        g = self.config.group_size
+        chosen = _backend.resolve_impl(impl, t.device)
+        flat = _flat_float32(t)
+        payload, meta, nonfinite = self._run_encode(chosen, flat, b, g, s)
+        if nonfinite:
+            exc_index, exc_value = _exceptions(flat)
+        else:
+            exc_index = torch.empty(0, dtype=torch.int64, device=payload.device)
+            exc_value = torch.empty(0, dtype=torch.float32, device=payload.device)
+        return Packed(
+            codec=_NAME,
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            device=t.device,
+            buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
+            params={"bits": b, "group_size": g, "seed": s},
+        )
+
+    def _run_encode(
+        self, chosen: Impl, flat: torch.Tensor, bits: int, group: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if chosen is Impl.CPU:
+            from memctl.codecs import _quantize_kernels
+
+            return _quantize_kernels.encode_cpu(flat, bits, group, seed)
+        if chosen is Impl.CUDA and not self._cuda_failed:
+            from memctl.codecs import _quantize_kernels
+
+            try:
+                return _quantize_kernels.encode_cuda(flat, bits, group, seed)
+            except Exception as exc:
+                self._cuda_fallback(exc)
+        payload, meta = _encode_reference(flat, bits, group, seed)
+        return payload, meta, int(meta.numel() > 0 and not bool(torch.isfinite(flat).all()))
+
+    def _cuda_fallback(self, exc: Exception) -> None:
+        """Switch this codec to the reference on the GPU after a compile failure (warn once)."""
+        if not _backend.is_cuda_compile_error(exc):
+            raise exc
+        self._cuda_failed = True
+        warnings.warn(
+            f"'quantize': the CUDA kernel could not be compiled ({type(exc).__name__}: {exc}); "
+            f"using the PyTorch reference on the GPU instead, which is slower. {_backend.CUDA_EXTRA_HINT}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
+        """The tensor a record holds: original shape, dtype and device."""
+        bits, group = _record_params(p)
+        payload, meta = p.buffers["payload"], p.buffers["meta"]
+        n = p.numel
+        chosen = _backend.resolve_impl(impl, p.device)
+        flat = self._run_decode(chosen, payload, meta, bits, group, n)
+        out = flat.to(p.dtype)
+        exc_index = p.buffers["exc_index"]
+        if exc_index.numel():
+            out[exc_index.to(out.device)] = p.buffers["exc_value"].to(device=out.device, dtype=p.dtype)
+        return out.reshape(p.shape).to(p.device)
+
+    def _run_decode(
+        self, chosen: Impl, payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int
+    ) -> torch.Tensor:
+        if chosen is Impl.CPU:
+            from memctl.codecs import _quantize_kernels
+
+            return _quantize_kernels.decode_cpu(payload, meta, bits, group, n)
+        if chosen is Impl.CUDA and not self._cuda_failed:
+            from memctl.codecs import _quantize_kernels
+
+            try:
+                return _quantize_kernels.decode_cuda(payload, meta, bits, group, n)
+            except Exception as exc:
+                self._cuda_fallback(exc)
+        return _decode_reference(payload, meta, bits, group, n)
+
+
+def _record_params(p: Any) -> tuple[int, int]:
+    """``(bits, group_size)`` of a quantize record, validated."""
+    if not isinstance(p, Packed) or p.codec != _NAME:
+        got = p.codec if isinstance(p, Packed) else type(p).__name__
+        raise CodecError(f"'quantize' decodes its own Packed records, got {got!r}; use codecs.decode(p)")
+    missing = {"payload", "meta", "exc_index", "exc_value"} - set(p.buffers)
+    if missing:
+        raise CodecError(f"quantize record lacks buffers {sorted(missing)}; it was not written by encode")
+    try:
+        bits = _check_bits(p.params.get("bits"))
+        group = _check_group_size(p.params.get("group_size"))
+    except (CodecError, ConfigError) as exc:
+        raise CodecError(f"quantize record has invalid params {dict(p.params)}: {exc}") from None
+    return bits, group

@@ -1,0 +1,142 @@
+"""The ``lossless`` codec: exact round trips, bit-packed bools, byte-identical implementations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memctl.codecs import _lossless_kernels, decode, get
+from memctl.codecs.base import Packed
+from memctl.codecs.lossless import LosslessCodec
+from memctl.errors import CodecError
+
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+)
+_SHAPES = [(), (0,), (1,), (7,), (8,), (9,), (3, 0), (5, 13), (2, 3, 11), (200,)]
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        if x.numel() > 2 and dtype.is_floating_point:
+            flat = x.view(-1)
+            flat[0], flat[1] = math.nan, -math.inf
+        return x
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype is torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.sampled_from(_DTYPES), st.sampled_from(_SHAPES), st.integers(0, 2**16), st.booleans())
+def test_round_trip_is_exact_for_every_dtype(
+    dtype: torch.dtype, shape: tuple[int, ...], seed: int, transpose: bool
+) -> None:
+    x = _tensor(dtype, shape, seed)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, -1)
+    codec = LosslessCodec()
+    ref = codec.encode(x, impl="reference")
+    cpu = codec.encode(x, impl="cpu")
+    assert ref.to_bytes() == cpu.to_bytes()
+    for p in (ref, cpu):
+        for impl in ("reference", "cpu"):
+            y = codec.decode(p, impl=impl)
+            assert y.device == x.device and _same(y, x)
+    assert ref.nbytes == sum(b.numel() * b.element_size() for b in ref.buffers.values())
+
+
+@pytest.mark.parametrize("n", [0, 1, 8, 13, 64, 1001])
+def test_bools_take_one_bit_each(n: int) -> None:
+    mask = torch.rand(n) > 0.3
+    p = get("lossless").encode(mask)
+    assert p.nbytes == math.ceil(n / 8)
+    payload = p.buffers["payload"]
+    assert payload.dtype == torch.uint8
+    expected = [sum(int(mask[8 * k + j]) << j for j in range(min(8, n - 8 * k))) for k in range(len(payload))]
+    assert payload.tolist() == expected  # LSB first, tail bits 0
+    assert torch.equal(decode(p), mask)
+
+
+@pytest.mark.parametrize("n", [_lossless_kernels.SERIAL_BELOW - 3, _lossless_kernels.SERIAL_BELOW + 13])
+def test_parallel_and_serial_bool_kernels_match_reference(n: int) -> None:
+    mask = torch.rand(n) > 0.5
+    codec = LosslessCodec()
+    ref, cpu = codec.encode(mask, impl="reference"), codec.encode(mask, impl="cpu")
+    assert ref.to_bytes() == cpu.to_bytes()
+    assert torch.equal(codec.decode(cpu, impl="cpu"), mask)
+
+
+def test_other_dtypes_store_raw_bytes() -> None:
+    x = torch.randn(10, 3, dtype=torch.float64)
+    p = get("lossless").encode(x)
+    assert p.nbytes == x.numel() * x.element_size()
+    assert p.ratio == 1.0
+
+
+def test_record_and_result_are_copies() -> None:
+    for x in (torch.randn(6, 4), torch.rand(40) > 0.5):
+        p = get("lossless").encode(x)
+        kept = x.clone()
+        x.zero_() if x.dtype is not torch.bool else x.fill_(False)
+        y = decode(p)
+        assert _same(y, kept)
+        y.zero_() if y.dtype is not torch.bool else y.fill_(True)
+        assert _same(decode(p), kept)
+
+
+def test_bad_arguments() -> None:
+    codec = get("lossless")
+    with pytest.raises(CodecError, match="bits=2"):
+        codec.encode(torch.randn(3), bits=2)
+    with pytest.raises(CodecError, match=r"error_bound=0\.1"):
+        codec.encode(torch.randn(3), error_bound=0.1)
+    with pytest.raises(CodecError, match="ndarray"):
+        codec.encode(torch.randn(3).numpy())  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match="seed=-3"):
+        codec.encode(torch.randn(3), seed=-3)
+    with pytest.raises(CodecError, match="layout"):
+        codec.encode(torch.eye(3).to_sparse())
+    q = get("quantize").encode(torch.randn(4))
+    with pytest.raises(CodecError, match="quantize"):
+        codec.decode(q)
+    empty = Packed("lossless", (2,), torch.float32, torch.device("cpu"), {}, {})
+    with pytest.raises(CodecError, match="payload"):
+        codec.decode(empty)
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("shape", [(0,), (1,), (13,), (3, 70)])
+def test_reference_and_cuda_kernel_are_byte_identical(shape: tuple[int, ...]) -> None:
+    codec = LosslessCodec()
+    for x in (_tensor(torch.bool, shape, 1), _tensor(torch.float16, shape, 2)):
+        ref = codec.encode(x, impl="reference")
+        sim = codec.encode(x, impl="cuda")
+        assert ref.to_bytes() == sim.to_bytes()
+        assert _same(codec.decode(sim, impl="cuda"), x)
+        assert _same(codec.decode(ref, impl="cuda"), x)
