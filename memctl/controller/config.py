@@ -1,0 +1,145 @@
+"""The controller's configuration: a frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from memctl.controller._mckp import Objective
+from memctl.errors import ConfigError
+
+__all__ = ["KEEP_BITS", "CodecMode", "ControllerConfig", "Objective"]
+
+# Objective (VARIANCE: ActNN, least added variance within the byte budget; BYTES: AC-GC,
+# fewest bytes within a variance bound) is the allocation's own enum, re-exported here.
+
+# Bits that mean "keep the activation uncompressed" in allocations and stats.
+KEEP_BITS = 32
+
+
+class CodecMode(str, enum.Enum):
+    """How float activations are compressed.
+
+    ``QUANTIZE``: ActNN-style stochastic quantisation at the layer's bits (unbiased).
+    ``ERRORBOUND``: COMET-style deterministic quantisation within the layer's absolute
+    error bound; the bound is derived from the bits the allocation picks and the
+    layer's typical group range (DESIGN.md §4: e = R / (2 (2^b - 1))).
+    """
+
+    QUANTIZE = "quantize"
+    ERRORBOUND = "errorbound"
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Settings of a :class:`memctl.Controller`; every field is checked on construction.
+
+    Attributes:
+        bits: average bits per compressed value when there is no budget.
+        bit_choices: bit widths the allocation may pick per layer.
+        allow_keep: whether the allocation may keep a layer uncompressed.
+        min_numel: float tensors with fewer values than this are kept as they are.
+        compress_outside: also compress float tensors saved outside the model's forward
+            (the loss); off by default, see NOTE [ What is compressed ].
+        group_size: values per quantisation group.
+        codec: :class:`CodecMode` for float activations.
+        allocation_interval: re-solve the bit allocation every this many steps.
+        objective: :class:`Objective` of the allocation.
+        variance_bound: for ``Objective.BYTES``, the bound on added variance relative to
+            the gradient's own squared norm (AC-GC's allowed loss increase, as a fraction).
+        solver_time_limit_s: time limit of the MILP solver before the greedy fallback.
+        ema_decay: decay of the exponential moving averages of layer statistics.
+        margin_fraction: share of the device budget held back as a safety margin.
+        min_batch_size, max_batch_size: limits of the recommended batch size.
+        batch_dim: dimension of the model's first input that holds the batch.
+        max_events: how many recent events are kept.
+        monitor_interval_s: sampling interval of the memory monitor thread (0 disables it).
+        monitor_history: number of monitor samples kept.
+    """
+
+    bits: float = 2.0
+    bit_choices: tuple[int, ...] = (1, 2, 4, 8)
+    allow_keep: bool = True
+    min_numel: int = 4096
+    compress_outside: bool = False
+    group_size: int = 256
+    codec: CodecMode = CodecMode.QUANTIZE
+    allocation_interval: int = 10
+    objective: Objective = Objective.VARIANCE
+    variance_bound: float = 0.01
+    solver_time_limit_s: float = 0.05
+    ema_decay: float = 0.9
+    margin_fraction: float = 0.05
+    min_batch_size: int = 1
+    max_batch_size: int = 65536
+    batch_dim: int = 0
+    max_events: int = 200
+    monitor_interval_s: float = 1.0
+    monitor_history: int = 600
+
+    def __post_init__(self) -> None:
+        allowed_bits = (1, 2, 4, 8)
+        if not self.bit_choices or any(b not in allowed_bits for b in self.bit_choices):
+            raise ConfigError(f"bit_choices={self.bit_choices!r}: each must be one of {allowed_bits}")
+        if len(set(self.bit_choices)) != len(self.bit_choices):
+            raise ConfigError(f"bit_choices={self.bit_choices!r} has duplicates")
+        object.__setattr__(self, "bit_choices", tuple(sorted(self.bit_choices)))
+        lo, hi = min(self.bit_choices), max(self.bit_choices)
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not lo <= self.bits <= hi:
+            raise ConfigError(
+                f"bits={self.bits!r}: the average bits per value must be a number in [{lo}, {hi}] "
+                f"(the range of bit_choices={self.bit_choices})"
+            )
+        _positive_int("min_numel", self.min_numel, zero_ok=True)
+        _positive_int("group_size", self.group_size)
+        if self.group_size % 8:
+            raise ConfigError(f"group_size={self.group_size}: must be a multiple of 8 (e.g. 256)")
+        try:
+            object.__setattr__(self, "codec", CodecMode(self.codec))
+        except ValueError:
+            raise ConfigError(
+                f"codec={self.codec!r}: expected one of {[m.value for m in CodecMode]}"
+            ) from None
+        try:
+            object.__setattr__(self, "objective", Objective(self.objective))
+        except ValueError:
+            raise ConfigError(
+                f"objective={self.objective!r}: expected one of {[m.value for m in Objective]}"
+            ) from None
+        _positive_int("allocation_interval", self.allocation_interval)
+        _positive_float("variance_bound", self.variance_bound)
+        _positive_float("solver_time_limit_s", self.solver_time_limit_s)
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay={self.ema_decay!r}: must be in [0, 1)")
+        if not 0.0 <= self.margin_fraction < 0.5:
+            raise ConfigError(f"margin_fraction={self.margin_fraction!r}: must be in [0, 0.5)")
+        _positive_int("min_batch_size", self.min_batch_size)
+        _positive_int("max_batch_size", self.max_batch_size)
+        if self.min_batch_size > self.max_batch_size:
+            raise ConfigError(
+                f"min_batch_size={self.min_batch_size} exceeds max_batch_size={self.max_batch_size}"
+            )
+        _positive_int("batch_dim", self.batch_dim, zero_ok=True)
+        _positive_int("max_events", self.max_events)
+        if not (math.isfinite(self.monitor_interval_s) and self.monitor_interval_s >= 0):
+            raise ConfigError(
+                f"monitor_interval_s={self.monitor_interval_s!r}: must be >= 0 (0 disables the monitor)"
+            )
+        _positive_int("monitor_history", self.monitor_history)
+
+
+def _positive_int(name: str, value: object, *, zero_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
+        bound = ">= 0" if zero_ok else ">= 1"
+        raise ConfigError(f"{name}={value!r}: must be an int {bound}")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name}={value!r}: must be a finite number > 0")

@@ -1,0 +1,558 @@
+"""The :class:`Controller`: attach to a model and optimizer, compress saved activations,
+allocate bits, hold a memory budget and size the batch.
+
+NOTE [ Step lifecycle ]
+The model's forward pre-hook opens the capture window (NOTE [ Capture window ]); the
+pack hook compresses each saved tensor at its layer's current bits and accounts it;
+backward unpacks and, through hooks on module outputs, measures ‖∇Y‖²; the optimizer's
+step post-hook closes the window and runs the step boundary: fold the step's records
+into per-layer EMAs, measure static memory, apply a budget queued from any thread,
+re-solve the allocation every ``allocation_interval`` steps or at once after a budget
+change, recompute the batch size and publish an immutable snapshot for readers (the
+HTTP API). Nothing in the hot path waits on a reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memctl.controller import memory, policy
+from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
+from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
+from memctl.controller.packing import Packer
+from memctl.controller.stats import LayerState, median_grad_sq
+from memctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from memctl.api.server import ServerHandle
+    from memctl.monitor import Sampler
+
+__all__ = ["Controller"]
+
+_log = logging.getLogger("memctl.controller")
+_STATE_VERSION = 1
+
+
+class Controller:
+    """Runtime memory manager for one model and optimizer.
+
+    >>> ctl = memctl.Controller(model, optimizer, budget="12GiB")   # doctest: +SKIP
+    >>> for x, y in loader:                                          # doctest: +SKIP
+    ...     loss_fn(model(x), y).backward()
+    ...     optimizer.step(); optimizer.zero_grad()                  # the controller steps here
+    >>> ctl.stats()["ratio"]                                         # doctest: +SKIP
+
+    Args:
+        model: the user's module; its layers and weights are never replaced.
+        optimizer: its ``step`` advances the controller (post-hook). Without one, call
+            :meth:`step` after each optimizer step yourself.
+        budget: device-memory target: bytes, ``"12GiB"``, ``"75%"`` of the device, or
+            ``None`` (no limit: an average of ``bits`` bits per compressed value).
+        bits: average bits per compressed value when there is no budget.
+        config: a full :class:`ControllerConfig`; keyword overrides are applied on top.
+        device: the device whose memory the budget is about (default: the model's).
+        **overrides: any :class:`ControllerConfig` field, e.g. ``min_numel=1024``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        budget: object = None,
+        bits: float | None = None,
+        config: ControllerConfig | None = None,
+        device: torch.device | str | None = None,
+        **overrides: Any,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            )
+        base = config if config is not None else ControllerConfig()
+        if bits is not None:
+            overrides["bits"] = bits
+        if overrides:
+            fields = base.__dataclass_fields__
+            unknown = sorted(set(overrides) - set(fields))
+            if unknown:
+                raise ConfigError(f"unknown Controller option(s) {unknown}; known: {sorted(fields)}")
+            base = ControllerConfig(**{**{f: getattr(base, f) for f in fields}, **overrides})
+        self.config = base
+        self.model = model
+        self.optimizer = optimizer
+        self.device = torch.device(device) if device is not None else memory.model_device(model)
+        self._budget_spec: BudgetSpec | None = parse_budget(budget)
+        self._lock = threading.Lock()
+        self._pending: list[BudgetSpec | None] = []
+        self._events: deque[dict[str, Any]] = deque(maxlen=self.config.max_events)
+        self._layers: dict[str, LayerState] = {}
+        self._step = 0
+        self._fallbacks = 0
+        self._fallback_layers: set[str] = set()
+        self._batch_seen = 0
+        self._batch_size: int | None = None
+        self._oom_cap: int | None = None
+        self._static_bytes = 0
+        self._device_total = memory.device_total_bytes(self.device)
+        self._activation_budget: int | None = None
+        self._allocation: dict[str, Any] | None = None
+        self._attribution_lost = False
+        self._probing = True
+        self._totals: dict[str, Any] = {"raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0}
+        self._tracker = ModuleTracker()
+        self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
+        self._packer.set_parameters(model)
+        self._scope = SavedTensorScope(self._packer.pack, self._packer.unpack)
+        self._handles: list[Any] = []
+        self._server: ServerHandle | None = None
+        self._monitor: Sampler | None = None
+        self._snapshot: Mapping[str, Any] = MappingProxyType({})
+        self._attach()
+        self._publish()
+
+    # -- attach / detach ---------------------------------------------------------------
+    def _attach(self) -> None:
+        model = self.model
+        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._on_forward_end, always_call=True))
+        self._handles.extend(self._tracker.attach(model))
+        for name, module in model.named_modules():
+            if module is model or not any(True for _ in module.parameters(recurse=False)):
+                continue
+            self._layers.setdefault(name, LayerState(name=name, kernel=_kernel_size(module)))
+            self._handles.append(module.register_forward_hook(self._grad_probe(name)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_step))
+        if self.config.monitor_interval_s > 0:
+            from memctl.monitor import Sampler, select_reader
+
+            reader = select_reader(self.device, activation_bytes_fn=self._live_activation_bytes)
+            self._monitor = Sampler(
+                reader, interval_s=self.config.monitor_interval_s, capacity=self.config.monitor_history
+            )
+            self._monitor.start()
+        self._event("attach", f"attached to {type(model).__name__} on {self.device}; "
+                    f"budget {self._budget_text()}")
+
+    def detach(self) -> None:
+        """Remove every hook and stop the monitor and server: the model is plain PyTorch again."""
+        self._scope.close()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._tracker.reset()
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.detach()
+
+    # -- hooks ------------------------------------------------------------------------
+    @torch.compiler.disable
+    def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self._scope.open():
+            self._packer.begin_step(self._step)
+            self._tracker.reset()
+            self._calls_at_open = self._tracker.module_calls
+        self._tracker.model_depth += 1
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.dim() > self.config.batch_dim:
+            self._batch_seen += int(first.shape[self.config.batch_dim])
+
+    @torch.compiler.disable
+    def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._tracker.model_depth > 0:
+            self._tracker.model_depth -= 1
+
+    def _grad_probe(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if not self._probing or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+                return
+            out = _first_tensor(output)
+            if out is None or not out.requires_grad or not out.is_floating_point():
+                return
+            record = self._packer.record(name)
+
+            def on_grad(g: torch.Tensor) -> None:
+                record.grad_sq.append(g.detach().float().square().sum())
+
+            out.register_hook(on_grad)
+
+        return hook
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step()
+
+    def _on_fallback(self, layer: str, exc: BaseException) -> None:
+        self._fallbacks += 1
+        if layer not in self._fallback_layers:
+            self._fallback_layers.add(layer)
+            _log.warning("codec failed on layer %r (%s: %s); keeping that tensor uncompressed",
+                         layer, type(exc).__name__, exc)
+            self._event("codec_fallback", f"layer {layer!r}: {type(exc).__name__}: {exc}")
+        else:
+            _log.debug("codec fallback on layer %r: %s", layer, exc)
+
+    def _choice_for(self, layer: str) -> tuple[float, float | None]:
+        state = self._layers.get(layer)
+        if state is None or state.bits is None:
+            return float(policy.default_bits(self.config)), None
+        return state.bits, state.error_bound
+
+    # -- the step boundary -----------------------------------------------------------
+    def step(self) -> None:
+        """Advance one step (called by the optimizer's step post-hook)."""
+        self._scope.close()
+        records = self._packer.finish_step()
+        batch = self._batch_seen
+        self._batch_seen = 0
+        self._attribution_lost = bool(records) and set(records) <= {ROOT, MODEL} and any(
+            True for m in self.model.modules() if m is not self.model
+        ) and self._tracker.module_calls == getattr(self, "_calls_at_open", 0)
+        for state in self._layers.values():
+            if state.name not in records:
+                state.raw_bytes = state.packed_bytes = state.fixed_bytes = state.other_bytes = 0
+                state.numels = ()
+        for name, rec in records.items():
+            state = self._layers.setdefault(name, LayerState(name=name))
+            state.update(rec, batch=batch, decay=self.config.ema_decay)
+        seen = [s for s in self._layers.values() if s.raw_bytes or s.other_bytes]
+        self._totals = {
+            "raw_bytes": sum(s.raw_bytes for s in seen),
+            "packed_bytes": sum(s.packed_bytes for s in seen),
+            "other_bytes": sum(s.other_bytes for s in seen),
+            "batch": batch,
+        }
+        saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
+        self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
+        changed = self._apply_pending()
+        if records and (changed or self._allocation is None
+                        or self._step % self.config.allocation_interval == 0):
+            self._reallocate(reason="budget change" if changed else "interval")
+        self._update_batch_size(batch)
+        self._packer.set_parameters(self.model)
+        self._step += 1
+        self._probing = self._wants_gradients()
+        self._publish()
+
+    def _wants_gradients(self) -> bool:
+        """Measure ‖∇Y‖² only on steps whose statistics the next allocation uses.
+
+        The squared-norm reductions cost a pass over every output gradient, so they run
+        in the first steps and in the last step before each re-solve (or a queued budget
+        change), not in every step.
+        """
+        with self._lock:
+            pending = bool(self._pending)
+        k = self.config.allocation_interval
+        return pending or self._step < 2 or (self._step + 1) % k == 0 or self._step % k == 0
+
+    def _apply_pending(self) -> bool:
+        with self._lock:
+            if not self._pending:
+                return False
+            spec = self._pending[-1]
+            self._pending.clear()
+        self._budget_spec = spec
+        self._event("budget", f"budget set to {self._budget_text()} at step {self._step}")
+        return True
+
+    def _reallocate(self, reason: str) -> None:
+        total = resolve_budget(self._budget_spec, self._device_total)
+        layers = [s for s in self._layers.values() if s.numels]
+        if total is None:
+            self._activation_budget = None
+        else:
+            margin = int(self.config.margin_fraction * total)
+            self._activation_budget = max(total - self._static_bytes - margin, 0)
+        fallback_g2 = median_grad_sq(layers)
+        fixed = policy.fixed_bytes(list(self._layers.values()))
+        result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed)
+        for state in layers:
+            state.bits = result.bits[state.name]
+            state.error_bound = result.error_bounds.get(state.name)
+        self._allocation = {
+            "step": self._step,
+            "reason": reason,
+            "solver": result.solver,
+            "status": result.status,
+            "time_ms": result.time_s * 1e3,
+            "objective": result.objective,
+            "feasible": result.feasible,
+            "predicted_bytes": result.predicted_bytes,
+        }
+        _log.info("allocation at step %d (%s): %s in %.2f ms, %s", self._step, reason,
+                  result.solver, result.time_s * 1e3, result.status)
+        if not result.feasible and self._activation_budget is not None:
+            batch = max(self._totals.get("batch", 0), 1)
+            recommended = policy.recommend_batch(result, batch, self._activation_budget)
+            msg = (
+                f"budget {self._budget_text()} cannot be met even at the lowest precision at batch size "
+                f"{batch}: activations need {format_bytes(result.min_bytes)} but "
+                f"{format_bytes(self._activation_budget)} is left after {format_bytes(self._static_bytes)} "
+                f"of static memory; use a batch size of at most {recommended}"
+            )
+            self._event("budget_infeasible", msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            self._batch_size = recommended
+        else:
+            self._event("allocation", f"{result.solver}: {result.status}")
+
+    def _update_batch_size(self, batch: int) -> None:
+        if self._allocation is not None and not self._allocation["feasible"]:
+            pass  # set by _reallocate to the recommendation
+        elif self._activation_budget is None or batch <= 0:
+            self._batch_size = batch if batch > 0 else self._batch_size
+        else:
+            layers = [s for s in self._layers.values() if s.numels or s.fixed_bytes or s.other_bytes]
+            per_sample = policy.bytes_per_sample(layers, self.config, batch)
+            if per_sample > 0:
+                fit = int(self._activation_budget // per_sample)
+                self._batch_size = max(self.config.min_batch_size, min(fit, self.config.max_batch_size))
+        if self._oom_cap is not None and self._batch_size is not None:
+            self._batch_size = min(self._batch_size, self._oom_cap)
+
+    # -- public state ----------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    @property
+    def batch_size(self) -> int | None:
+        """Largest batch that fits the budget at the current allocation (None before a step)."""
+        return self._batch_size
+
+    @property
+    def budget(self) -> BudgetSpec | None:
+        return self._budget_spec
+
+    def set_budget(self, value: object) -> dict[str, Any]:
+        """Queue a new budget (any thread); it applies at the next step boundary."""
+        return dict(self.request_budget(value))
+
+    def stats(self) -> dict[str, Any]:
+        """A plain dict of the last completed step (see the README for every key)."""
+        return _plain(self._snapshot)
+
+    def abort_step(self) -> None:
+        """Drop what the current step saved so far (after an exception in forward/backward)."""
+        self._scope.close()
+        self._packer.finish_step()
+        self._tracker.reset()
+        self._batch_seen = 0
+
+    def guarded_step(self, compute_loss: Callable[[Any], torch.Tensor], batch: Any, *,
+                     max_splits: int = 6) -> float:
+        """One optimizer step that splits the batch on out-of-memory (NOTE [ OOM guard ])."""
+        from memctl.controller.oom import guarded_step
+
+        return guarded_step(self, compute_loss, batch, max_splits=max_splits)
+
+    def lower_batch_estimate(self, largest_ok: int) -> None:
+        """Cap the batch size after an out-of-memory split (used by the OOM guard)."""
+        self._oom_cap = max(1, largest_ok)
+        self._batch_size = min(self._batch_size or largest_ok, self._oom_cap)
+        self._event("oom", f"out of memory: batch split; batch size capped at {self._oom_cap}")
+        self._publish()
+
+    # -- ControllerView (memctl.api.view) ---------------------------------------------
+    def snapshot(self) -> Mapping[str, Any]:
+        return self._snapshot
+
+    def history(self, limit: int | None = None) -> list[Mapping[str, Any]]:
+        if self._monitor is None:
+            return []
+        return [s.to_dict() for s in self._monitor.history(limit)]
+
+    def budget_info(self) -> Mapping[str, Any]:
+        with self._lock:
+            pending = self._pending[-1] if self._pending else None
+            has_pending = bool(self._pending)
+        return {
+            "target": self._budget_spec.to_json() if self._budget_spec else None,
+            "target_bytes": self._resolve(self._budget_spec),
+            "activation_budget_bytes": self._activation_budget,
+            "pending": (pending.to_json() if pending else None) if has_pending else None,
+            "device_total_bytes": self._device_total,
+        }
+
+    def request_budget(self, value: object) -> Mapping[str, Any]:
+        spec = parse_budget(value)
+        target_bytes = self._resolve(spec)
+        with self._lock:
+            self._pending.append(spec)
+        return {
+            "target": spec.to_json() if spec else None,
+            "target_bytes": target_bytes,
+            "applies_at_step": self._step + 1,
+            "status": "pending",
+        }
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> ServerHandle:
+        """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``."""
+        from memctl.api.server import serve
+
+        if self._server is not None:
+            self._server.close()
+        self._server = serve(self, host=host, port=port, token=token,
+                             history_capacity=self.config.monitor_history)
+        self._event("serve", f"HTTP API at {self._server.url}")
+        return self._server
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs: bits, statistics, budget and step."""
+        return {
+            "version": _STATE_VERSION,
+            "step": self._step,
+            "budget": self._budget_spec.to_json() if self._budget_spec else None,
+            "layers": {name: s.state_dict() for name, s in self._layers.items()},
+            "batch_size": self._batch_size,
+            "oom_cap": self._oom_cap,
+            "static_bytes": self._static_bytes,
+            "activation_budget": self._activation_budget,
+            "fallbacks": self._fallbacks,
+            "allocation": dict(self._allocation) if self._allocation else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`."""
+        version = state.get("version")
+        if version != _STATE_VERSION:
+            raise ConfigError(
+                f"controller state has version {version!r}; this memctl reads version {_STATE_VERSION}"
+            )
+        self._step = int(state["step"])
+        self._budget_spec = parse_budget(state.get("budget"))
+        self._layers = {n: LayerState.from_state_dict(sd) for n, sd in state["layers"].items()}
+        self._batch_size = state.get("batch_size")
+        self._oom_cap = state.get("oom_cap")
+        self._static_bytes = int(state.get("static_bytes", 0))
+        self._activation_budget = state.get("activation_budget")
+        self._fallbacks = int(state.get("fallbacks", 0))
+        alloc = state.get("allocation")
+        self._allocation = dict(alloc) if alloc else None
+        self._event("load_state", f"state restored at step {self._step}")
+        self._publish()
+
+    # -- internals --------------------------------------------------------------------
+    def _resolve(self, spec: BudgetSpec | None) -> int | None:
+        return resolve_budget(spec, self._device_total)
+
+    def _budget_text(self) -> str:
+        if self._budget_spec is None:
+            return f"none (average {self.config.bits:g} bits per value)"
+        return f"{self._budget_spec.text} ({format_bytes(self._resolve(self._budget_spec))})"
+
+    def _event(self, kind: str, message: str) -> None:
+        self._events.append({"step": self._step, "time": time.time(), "kind": kind, "message": message})
+
+    def _live_activation_bytes(self) -> int:
+        return int(self._totals.get("packed_bytes", 0)) + int(self._totals.get("other_bytes", 0))
+
+    def _publish(self) -> None:
+        layers = sorted(self._layers.values(), key=lambda s: s.name)
+        g2 = median_grad_sq(layers)
+        raw, packed = self._totals["raw_bytes"], self._totals["packed_bytes"]
+        controlled = sum(sum(s.numels) for s in layers)
+        bits_sum = sum(sum(s.numels) * _effective_bits(s, self.config) for s in layers)
+        memory_sample = self._monitor.latest() if self._monitor is not None else None
+        snap = {
+            "step": self._step,
+            "budget": self._budget_spec.to_json() if self._budget_spec else None,
+            "budget_bytes": self._resolve(self._budget_spec) if self._budget_spec else None,
+            "activation_budget_bytes": self._activation_budget,
+            "static_bytes": self._static_bytes,
+            "raw_bytes": raw,
+            "packed_bytes": packed,
+            "other_bytes": self._totals["other_bytes"],
+            "ratio": raw / packed if packed else (1.0 if not raw else float("inf")),
+            "avg_bits": bits_sum / controlled if controlled else 0.0,
+            "batch_size": self._batch_size,
+            "fallbacks": self._fallbacks,
+            "codec": self.config.codec.value,
+            "attribution": "lost (torch.compile)" if self._attribution_lost else "modules",
+            "allocation": dict(self._allocation) if self._allocation else None,
+            "events": [dict(e) for e in self._events],
+            "memory": memory_sample.to_dict() if memory_sample is not None else None,
+            "layers": [
+                {
+                    "name": s.name,
+                    "bits": _effective_bits(s, self.config) if s.numels else s.bits,
+                    "error_bound": s.error_bound,
+                    "raw_bytes": s.raw_bytes,
+                    "packed_bytes": s.packed_bytes,
+                    "other_bytes": s.other_bytes,
+                    "sensitivity": s.sensitivity(g2),
+                    "min": s.vmin,
+                    "max": s.vmax,
+                }
+                for s in layers
+                if s.raw_bytes or s.other_bytes or s.bits is not None
+            ],
+        }
+        self._snapshot = MappingProxyType(snap)
+
+
+def _effective_bits(state: LayerState, config: ControllerConfig) -> float:
+    bits = state.bits if state.bits is not None else float(policy.default_bits(config))
+    return float(8 * state.element_size) if bits >= KEEP_BITS else float(bits)
+
+
+def _kernel_size(module: torch.nn.Module) -> int:
+    k = getattr(module, "kernel_size", None)
+    if isinstance(k, tuple):
+        n = 1
+        for v in k:
+            n *= int(v)
+        return n
+    if isinstance(k, int):
+        return k
+    return 1
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+

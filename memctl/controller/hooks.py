@@ -1,0 +1,134 @@
+"""Autograd and module hooks: the saved-tensor scope and the module-attribution stack.
+
+NOTE [ Capture window ]
+A controller pushes its pack/unpack pair on autograd's thread-local stack of default
+saved-tensor hooks when the model's forward starts, and removes it when the optimizer
+step finishes. The window therefore also covers the loss (its saved tensors go to the
+root entry) and gradient-accumulation micro-steps. Another controller, or the user's own
+``saved_tensors_hooks``, may push hooks while the window is open; closing removes exactly
+this controller's pair wherever it sits and puts the others back in order, so two
+controllers in one process never pop each other's hooks.
+
+NOTE [ Module attribution ]
+Every submodule gets a forward pre-hook that pushes its name and a forward hook (with
+``always_call=True``) that pops it, so the pack hook attributes a tensor to the innermost
+module running. Under ``torch.compile`` the module hooks are traced away (they return at
+once while compiling) and packing happens after the compiled forward: tensors land in the
+root entry and the controller reports attribution as lost instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["MODEL", "ROOT", "ModuleTracker", "SavedTensorScope"]
+
+_log = logging.getLogger("memctl.controller")
+
+ROOT = "<root>"
+"""Entry of tensors saved outside the model's forward (the loss, say)."""
+MODEL = "<model>"
+"""Entry of tensors saved by the model's own forward code, outside any submodule."""
+
+PackFn = Callable[[torch.Tensor], Any]
+UnpackFn = Callable[[Any], torch.Tensor]
+
+
+class SavedTensorScope:
+    """Opens and closes one controller's saved-tensor hooks (see NOTE [ Capture window ])."""
+
+    def __init__(self, pack: PackFn, unpack: UnpackFn) -> None:
+        self._pack = pack
+        self._unpack = unpack
+        self._thread: int | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._thread is not None
+
+    def open(self) -> bool:
+        """Push the hooks unless they are already open in this thread; True if pushed."""
+        if self._thread is not None:
+            return False
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        self._thread = threading.get_ident()
+        return True
+
+    def close(self) -> None:
+        """Remove this scope's hooks from the stack, leaving any others in their order."""
+        if self._thread is None:
+            return
+        if self._thread != threading.get_ident():
+            _log.warning(
+                "saved-tensor hooks were opened in another thread; they stay there until that "
+                "thread's next step boundary"
+            )
+            return
+        above: list[tuple[PackFn, UnpackFn]] = []
+        found = False
+        while True:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is None:
+                break
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            if top[0] is self._pack:
+                found = True
+                break
+            above.append((top[0], top[1]))
+        for pack, unpack in reversed(above):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        if not found:
+            _log.warning("memctl's saved-tensor hooks were already removed by someone else")
+        self._thread = None
+
+
+class ModuleTracker:
+    """Keeps the stack of running modules (see NOTE [ Module attribution ])."""
+
+    def __init__(self) -> None:
+        self._stack: list[str] = []
+        self.module_calls = 0
+        self.model_depth = 0
+
+    @property
+    def current(self) -> str:
+        if self._stack:
+            return self._stack[-1]
+        return MODEL if self.model_depth > 0 else ROOT
+
+    def attach(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Register the hooks on every submodule; returns their handles."""
+        handles = []
+        for name, module in model.named_modules():
+            if module is model:
+                continue
+            handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+            handles.append(module.register_forward_hook(self._post_hook(name), always_call=True))
+        return handles
+
+    def reset(self) -> None:
+        self._stack.clear()
+        self.model_depth = 0
+
+    def _pre_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
+            self._stack.append(name)
+            self.module_calls += 1
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+
+        return hook

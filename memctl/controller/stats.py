@@ -1,0 +1,130 @@
+"""Per-layer statistics: what one step saved, and the smoothed sensitivity across steps.
+
+NOTE [ Sensitivity ]
+For a layer whose weight gradient is ∇W = ∇Yᵀ X, stochastic rounding of X's groups to b
+bits (B = 2^b − 1 levels, per-value variance at most (R_g/B)²/4) adds about
+
+    Var ≈ (1/B²) · (k/4) · Σ_n ‖∇Y_n‖² · Σ_{g in sample n} G · R_g²
+
+to the gradient (ActNN, ICML 2021; k kernel locations, G group size). Per-sample products
+are not observable without per-sample gradients, so we take Σ_n a_n b_n ≈ (Σ a)(Σ b)/N:
+
+    C_l = (k/4) · ‖∇Y‖² · G · Σ_g R_g² / N
+
+with ‖∇Y‖² from a hook on the module's output gradient and Σ_g R_g² from the quantiser's
+own group metadata, each smoothed by an EMA over steps. A layer whose output gradient is
+not observed (a functional op at the root, the loss) borrows the median ‖∇Y‖² of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["LayerState", "LayerStep", "median_grad_sq"]
+
+
+@dataclass
+class LayerStep:
+    """What one layer saved during one step (accumulated by the pack hook)."""
+
+    raw_bytes: int = 0
+    """Raw bytes of every float activation the layer saved."""
+    packed_bytes: int = 0
+    """Bytes those activations held after packing."""
+    numels: list[int] = field(default_factory=list)
+    """Sizes of the float tensors the allocation controls (compressed or kept)."""
+    fixed_bytes: int = 0
+    """Bytes the allocation does not control: small tensors, codec fallbacks."""
+    mask_bytes: int = 0
+    """Bytes of the 1-bit ReLU masks its controlled tensors need when compressed."""
+    other_bytes: int = 0
+    """Bytes of non-float saved tensors (kept lossless)."""
+    tensors: int = 0
+    range_terms: list[torch.Tensor] = field(default_factory=list)
+    mins: list[torch.Tensor] = field(default_factory=list)
+    maxs: list[torch.Tensor] = field(default_factory=list)
+    grad_sq: list[torch.Tensor] = field(default_factory=list)
+    element_size: int = 4
+
+    @property
+    def controlled_raw_bytes(self) -> int:
+        return sum(self.numels) * self.element_size
+
+
+@dataclass
+class LayerState:
+    """Everything the controller keeps about one layer across steps."""
+
+    name: str
+    kernel: int = 1
+    bits: float | None = None
+    error_bound: float | None = None
+    ema_grad_sq: float | None = None
+    ema_range_term: float | None = None
+    raw_bytes: int = 0
+    packed_bytes: int = 0
+    fixed_bytes: int = 0
+    mask_bytes: int = 0
+    other_bytes: int = 0
+    numels: tuple[int, ...] = ()
+    element_size: int = 4
+    batch: int = 1
+    vmin: float | None = None
+    vmax: float | None = None
+    seen_steps: int = 0
+
+    def update(self, step: LayerStep, *, batch: int, decay: float) -> None:
+        """Fold one finished step into the layer's state (converts device scalars once)."""
+        self.raw_bytes = step.raw_bytes
+        self.packed_bytes = step.packed_bytes
+        self.fixed_bytes = step.fixed_bytes
+        self.mask_bytes = step.mask_bytes
+        self.other_bytes = step.other_bytes
+        self.numels = tuple(step.numels)
+        self.element_size = step.element_size
+        self.batch = max(batch, 1)
+        self.seen_steps += 1
+        if step.mins:
+            self.vmin = float(torch.stack([m.float().cpu() for m in step.mins]).min())
+            self.vmax = float(torch.stack([m.float().cpu() for m in step.maxs]).max())
+        if step.range_terms:
+            term = float(sum(float(t) for t in step.range_terms)) / self.batch
+            self.ema_range_term = _ema(self.ema_range_term, term, decay)
+        if step.grad_sq:
+            g2 = float(sum(float(g) for g in step.grad_sq))
+            if math.isfinite(g2):
+                self.ema_grad_sq = _ema(self.ema_grad_sq, g2, decay)
+
+    def sensitivity(self, fallback_grad_sq: float) -> float:
+        """C_l of NOTE [ Sensitivity ] (0 when the layer saved nothing quantisable)."""
+        if self.ema_range_term is None:
+            return 0.0
+        g2 = self.ema_grad_sq if self.ema_grad_sq is not None else fallback_grad_sq
+        return self.kernel / 4.0 * g2 * self.ema_range_term
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Any]) -> LayerState:
+        sd = dict(sd)
+        sd["numels"] = tuple(sd.get("numels", ()))
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in sd.items() if k in known})
+
+
+def median_grad_sq(layers: list[LayerState]) -> float:
+    """Median smoothed ‖∇Y‖² over layers that observed one (1.0 when none did)."""
+    seen = [s.ema_grad_sq for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0]
+    return statistics.median(seen) if seen else 1.0
+
+
+def _ema(old: float | None, new: float, decay: float) -> float:
+    if old is None or not math.isfinite(old):
+        return new
+    return decay * old + (1.0 - decay) * new

@@ -1,0 +1,261 @@
+"""``memctl demo``: train a real model on real data twice, plain and with memctl, and compare.
+
+The data is scikit-learn's handwritten digits (1,797 8x8 images, shipped inside the
+package, so nothing is downloaded). The model is a small residual CNN with BatchNorm,
+in-place ReLU, max-pool and dropout, trained with Adam. The memctl run serves the HTTP
+API while it trains, so ``memctl status`` and ``memctl budget`` work against it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DemoOptions", "DemoResult", "DigitsNet", "run_demo"]
+
+
+class DigitsNet(nn.Module):
+    """A small residual CNN for 1x16x16 inputs (digits upsampled 2x)."""
+
+    def __init__(self, width: int = 48, n_classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+        )
+        self.block = nn.Sequential(
+            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+        )
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.conv = nn.Sequential(
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+        )
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(2 * width, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.pool(self.relu(self.block(x) + x))
+        x = self.conv(x).mean(dim=(2, 3))
+        return self.head(self.drop(x))
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    steps: int = 300
+    batch_size: int = 128
+    budget: str | None = None
+    bits: float = 2.0
+    device: str = "auto"
+    port: int = 0
+    host: str = "127.0.0.1"
+    out: str = "memctl-out"
+    baseline: bool = True
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class RunResult:
+    name: str
+    final_loss: float
+    accuracy: float
+    step_time_ms: float
+    saved_raw_bytes: int
+    saved_bytes: int
+    losses: list[float] = field(default_factory=list)
+    memory: list[int] = field(default_factory=list)
+
+
+@dataclass
+class DemoResult:
+    device: str
+    options: dict[str, Any]
+    runs: list[RunResult]
+    stats: dict[str, Any]
+    url: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "options": self.options, "url": self.url,
+                "runs": [asdict(r) for r in self.runs], "memctl_stats": self.stats}
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("memctl demo: --device cuda was asked for, but torch.cuda.is_available() is False")
+    return dev
+
+
+def _digits(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = nn.functional.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+    y = torch.tensor(digits.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = (x[perm] - 0.3) / 0.35, y[perm]
+    split = 1440
+    return x[:split].to(device), y[:split].to(device), x[split:].to(device), y[split:].to(device)
+
+
+def _saved_bytes_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of everything autograd saves for one plain step, parameters and buffers excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+        if key[0] not in params and key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def _train(opts: DemoOptions, device: torch.device, use_memctl: bool,
+           announce: Any) -> tuple[RunResult, dict[str, Any], str | None]:
+    import memctl
+
+    torch.manual_seed(opts.seed)
+    xtr, ytr, xte, yte = _digits(device)
+    model = DigitsNet().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    name = "memctl" if use_memctl else "baseline"
+    ctl = None
+    url = None
+    saved_raw = _saved_bytes_plain(model, xtr[: opts.batch_size], ytr[: opts.batch_size])
+    if use_memctl:
+        ctl = memctl.Controller(model, opt, budget=opts.budget, bits=opts.bits)
+        handle = ctl.serve(host=opts.host, port=opts.port)
+        url = handle.url
+        announce(f"memctl API at {url}  (try: memctl status --url {url})")
+    g = torch.Generator().manual_seed(opts.seed + 1)
+    losses: list[float] = []
+    memory: list[int] = []
+    bar = _progress(opts, name)
+    warmup = min(5, opts.steps - 1)  # first steps compile kernels: not timed
+    t0 = time.perf_counter()
+    for i in range(opts.steps):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+        idx = torch.randint(0, len(xtr), (opts.batch_size,), generator=g).to(device)
+        loss = nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if ctl is not None:
+            s = ctl.stats()
+            memory.append(int(s["packed_bytes"] + s["other_bytes"]))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", ratio=f"{s['ratio']:.1f}x", bits=f"{s['avg_bits']:.2f}")
+        else:
+            memory.append(saved_raw)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.update(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(xte).argmax(1) == yte).float().mean()) * 100
+    stats: dict[str, Any] = {}
+    saved = saved_raw
+    if ctl is not None:
+        stats = ctl.stats()
+        saved = int(stats["packed_bytes"] + stats["other_bytes"])
+        ctl.detach()
+    tail = losses[-20:]
+    result = RunResult(name=name, final_loss=sum(tail) / len(tail), accuracy=acc,
+                       step_time_ms=elapsed / (opts.steps - warmup) * 1e3, saved_raw_bytes=saved_raw,
+                       saved_bytes=saved, losses=losses, memory=memory)
+    return result, stats, url
+
+
+def _progress(opts: DemoOptions, name: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=opts.steps, desc=f"{name:>8}", unit="step", disable=not opts.progress,
+                file=sys.stderr, leave=True)
+
+
+def _plot(result: DemoResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in result.runs:
+        ax1.plot(run.losses, label=run.name, linewidth=1)
+        ax2.plot([m / 2**20 for m in run.memory], label=run.name)
+    ax1.set(title="training loss", xlabel="step", ylabel="cross-entropy")
+    ax2.set(title="saved activations per step", xlabel="step", ylabel="MiB")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(result: DemoResult) -> str:
+    rows = [("", *[r.name for r in result.runs])]
+    rows.append(("saved activations", *[f"{r.saved_bytes / 2**20:.2f} MiB" for r in result.runs]))
+    base = result.runs[0].saved_raw_bytes
+    rows.append(("ratio vs full precision", *[f"{base / max(r.saved_bytes, 1):.1f}x" for r in result.runs]))
+    rows.append(("final loss", *[f"{r.final_loss:.4f}" for r in result.runs]))
+    rows.append(("test accuracy", *[f"{r.accuracy:.2f}%" for r in result.runs]))
+    rows.append(("step time", *[f"{r.step_time_ms:.1f} ms" for r in result.runs]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
+    """Run the demo; prints progress, the URL and the comparison table; writes the report."""
+    stream = out if out is not None else sys.stdout
+
+    def announce(msg: str) -> None:
+        print(msg, file=stream, flush=True)
+
+    device = _pick_device(opts.device)
+    announce(f"memctl demo: digits CNN on {device}, {opts.steps} steps of batch {opts.batch_size}, "
+             f"budget {opts.budget or 'none'} (average {opts.bits:g} bits)")
+    runs = []
+    if opts.baseline:
+        runs.append(_train(opts, device, use_memctl=False, announce=announce)[0])
+    run, stats, url = _train(opts, device, use_memctl=True, announce=announce)
+    runs.append(run)
+    result = DemoResult(device=str(device), options=asdict(opts), runs=runs, stats=stats, url=url)
+    out_dir = Path(opts.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(result.to_json(), indent=2, default=str))
+    _plot(result, out_dir / "memory_loss.png")
+    announce("")
+    announce(_table(result))
+    announce(f"\nwrote {out_dir / 'report.json'} and {out_dir / 'memory_loss.png'}")
+    return result

@@ -1,0 +1,116 @@
+"""Budgets: parsing, the activation budget held from the step after a change, infeasibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memctl
+from memctl.controller.budget import BudgetSpec, parse_budget, resolve_budget
+from tests.controller.models import CNN, batch_for, loss_for
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        (1024, 1024),
+        ("12GiB", 12 * 2**30),
+        ("800MB", 800 * 10**6),
+        ("1.5G", int(1.5 * 2**30)),
+        ("512 MiB", 512 * 2**20),
+        ("4096", 4096),
+        (2.0**20, 2**20),
+    ],
+)
+def test_parse_sizes(text: object, nbytes: int) -> None:
+    spec = parse_budget(text)
+    assert spec is not None and spec.nbytes == nbytes
+
+
+def test_parse_percent_and_none() -> None:
+    spec = parse_budget("75%")
+    assert spec == BudgetSpec(fraction=0.75)
+    assert resolve_budget(spec, 1000) == 750
+    assert parse_budget(None) is None
+    with pytest.raises(memctl.BudgetError, match="percentage"):
+        resolve_budget(spec, None)
+
+
+@pytest.mark.parametrize(
+    "bad", [0, -5, "0", "-1GiB", "12XB", "lots", "150%", "0%", True, [1], {"a": 1}, 1.5, "9999PiB",
+            float("nan"), "GiB", ""]
+)
+def test_parse_rejects_and_names_the_value(bad: object) -> None:
+    with pytest.raises(memctl.BudgetError) as info:
+        parse_budget(bad)
+    assert repr(bad)[:20].strip("'\"") in str(info.value) or str(bad) in str(info.value)
+
+
+def _run(ctl: memctl.Controller, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
+         n: int = 32) -> list[int]:
+    sizes = []
+    for i in range(steps):
+        x, y = batch_for(model, n=n, seed=i)
+        loss_for(model, model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        s = ctl.stats()
+        sizes.append(s["packed_bytes"] + s["other_bytes"])
+    return sizes
+
+
+def test_activation_bytes_stay_within_new_budget_from_next_step() -> None:
+    torch.manual_seed(0)
+    model = CNN(c=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000)
+    _run(ctl, model, opt, 2)
+    static = ctl.stats()["static_bytes"]
+    at_two_bits = ctl.stats()["packed_bytes"] + ctl.stats()["other_bytes"]
+    margin = ctl.config.margin_fraction
+    for target_act in (int(at_two_bits * 3), int(at_two_bits * 0.85)):
+        # choose a device target whose activation budget is target_act
+        target = int((target_act + static) / (1 - margin)) + 1
+        ctl.set_budget(target)
+        _run(ctl, model, opt, 1)  # the change applies at this step's boundary
+        s = ctl.stats()
+        assert s["budget"] == target
+        assert s["activation_budget_bytes"] is not None
+        assert s["allocation"]["feasible"], s["allocation"]
+        used = _run(ctl, model, opt, 2)
+        budget = ctl.stats()["activation_budget_bytes"]
+        assert max(used) <= budget, (used, budget)
+    # the tight budget forced fewer bits than 2 on average, the loose one allowed more
+    assert ctl.stats()["avg_bits"] < 2.0
+    ctl.detach()
+
+
+def test_infeasible_budget_warns_and_recommends_a_smaller_batch() -> None:
+    torch.manual_seed(0)
+    model = CNN(c=32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64)
+    _run(ctl, model, opt, 1, n=32)
+    static = ctl.stats()["static_bytes"]
+    ctl.set_budget(int(static * 1.1) + 4096)
+    with pytest.warns(RuntimeWarning, match="cannot be met"):
+        _run(ctl, model, opt, 1, n=32)
+    s = ctl.stats()
+    assert any(e["kind"] == "budget_infeasible" for e in s["events"])
+    assert s["batch_size"] is not None and s["batch_size"] < 32
+    ctl.detach()
+
+
+def test_batch_size_grows_with_budget() -> None:
+    torch.manual_seed(0)
+    model = CNN(c=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, budget="64MiB")
+    _run(ctl, model, opt, 2, n=16)
+    small = ctl.batch_size
+    ctl.set_budget("256MiB")
+    _run(ctl, model, opt, 1, n=16)
+    assert small is not None and ctl.batch_size is not None
+    assert ctl.batch_size > small > 16
+    ctl.detach()
