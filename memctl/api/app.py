@@ -54,6 +54,28 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 # not a 400 from the framework), and budgets go through parse_budget before the view.
 # Anything unexpected becomes a JSON 500 in _GuardMiddleware, never a dropped connection.
 
+# NOTE [ Cheap reads ]
+# Polling must not slow training. The read handlers are ``async`` (no thread hand-off per
+# request), and the bodies of /v1/stats, /v1/layers and /metrics are rendered once per
+# published snapshot and reused until the controller publishes the next one: the snapshot
+# is immutable and replaced whole at each step boundary, so its identity is the cache key.
+
+
+class _SnapshotCache:
+    """Rendered response bodies, valid while the view's snapshot object is the same."""
+
+    def __init__(self) -> None:
+        self._snapshot: object = None
+        self._bodies: dict[str, bytes] = {}
+
+    def get(self, snapshot: object, name: str, render: Callable[[], bytes]) -> bytes:
+        if snapshot is not self._snapshot:
+            self._snapshot, self._bodies = snapshot, {}
+        body = self._bodies.get(name)
+        if body is None:
+            body = self._bodies[name] = render()
+        return body
+
 
 def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes: int = 4096,
                history_capacity: int = 600) -> FastAPI:
@@ -92,26 +114,38 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
     registry = build_registry(view)
     guard = [Depends(_bearer_guard(token))] if token is not None else []
 
+    cache = _SnapshotCache()
+
+    def cached_json(name: str, render: Callable[[Mapping[str, Any]], bytes]) -> Response:
+        snap = view.snapshot()
+        return Response(cache.get(snap, name, lambda: render(snap)), media_type="application/json")
+
     @app.get("/healthz", response_model=HealthResponse, tags=["service"])
-    def healthz() -> dict[str, Any]:
+    async def healthz() -> dict[str, Any]:
         """Liveness, and the last step the controller published."""
         return {"status": "ok", "step": view.snapshot()["step"]}
 
+    def render_stats(snap: Mapping[str, Any]) -> bytes:
+        body = dict(snap)
+        body["events"] = list(body["events"])[-_STATS_EVENTS:]
+        return StatsResponse.model_validate(body).model_dump_json().encode()
+
     @app.get("/v1/stats", response_model=StatsResponse, tags=["state"])
-    def stats() -> dict[str, Any]:
+    async def stats() -> Response:
         """Step, budget, device memory, activation bytes and ratio, last allocation, recent events."""
-        snap = dict(view.snapshot())
-        snap["events"] = list(snap["events"])[-_STATS_EVENTS:]
-        return snap
+        return cached_json("stats", render_stats)
+
+    def render_layers(snap: Mapping[str, Any]) -> bytes:
+        body = {"step": snap["step"], "layers": list(snap["layers"])}
+        return LayersResponse.model_validate(body).model_dump_json().encode()
 
     @app.get("/v1/layers", response_model=LayersResponse, tags=["state"])
-    def layers() -> dict[str, Any]:
+    async def layers() -> Response:
         """Per-layer bits or error bound, raw and packed bytes, sensitivity."""
-        snap = view.snapshot()
-        return {"step": snap["step"], "layers": list(snap["layers"])}
+        return cached_json("layers", render_layers)
 
     @app.get("/v1/budget", response_model=BudgetInfoResponse, tags=["budget"])
-    def get_budget() -> dict[str, Any]:
+    async def get_budget() -> dict[str, Any]:
         """The budget in force and any change queued for the next step."""
         return dict(view.budget_info())
 
@@ -130,7 +164,7 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         return dict(result)
 
     @app.get("/v1/history", response_model=HistoryResponse, tags=["state"])
-    def history(
+    async def history(
         limit: Annotated[int | None, Query(ge=1, le=history_capacity,
                                            description="most recent samples to return")] = None,
     ) -> dict[str, Any]:
@@ -140,9 +174,10 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
 
     @app.get("/metrics", tags=["service"], response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
-    def metrics() -> Response:
+    async def metrics() -> Response:
         """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = cache.get(view.snapshot(), "metrics", lambda: generate_latest(registry))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

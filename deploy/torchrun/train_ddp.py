@@ -1,0 +1,199 @@
+"""DistributedDataParallel training with one memctl Controller per rank.
+
+Run on CPU (gloo, two processes)::
+
+    torchrun --nproc_per_node=2 deploy/torchrun/train_ddp.py --steps 5 --device cpu
+
+or on every GPU of a node (NCCL, one process per GPU)::
+
+    torchrun --nproc_per_node=gpu deploy/torchrun/train_ddp.py --steps 1000 --budget 75%
+
+Without torchrun's environment (``RANK``, ``WORLD_SIZE``, ...) the script runs as a group of one.
+
+NOTE [ One controller per rank ]
+Each rank's saved activations live in its own process and on its own device, so each rank
+attaches its own Controller. It is attached to the *wrapped* module (``ddp.module``), not to the
+DDP wrapper: both work (DDP's forward calls the module's, so the forward hooks fire either way,
+and the parameters are the same tensors), but on the inner module the layer names are the
+model's own ("features.0.0", not "module.features.0.0"), so controller checkpoints and the API's
+per-layer names match a single-process run of the same model.
+
+Only rank 0 serves the HTTP API. A budget changed through it (``PUT /v1/budget``) reaches rank 0
+only, so after every step rank 0 broadcasts the budget in force and the other ranks queue it
+too (it applies on them one step later). Every rank keeps the same per-rank batch size, as DDP
+needs the ranks to take the same number of steps; ``ctl.batch_size`` (what would fit) is logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import memctl
+from memctl.controller.budget import format_bytes
+
+N_CLASSES = 10
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU stages with pooling and a linear head."""
+
+    def __init__(self, width: int = 16, n_classes: int = N_CLASSES) -> None:
+        super().__init__()
+
+        def stage(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)
+            )
+
+        self.features = nn.Sequential(stage(3, width), nn.MaxPool2d(2), stage(width, 2 * width))
+        self.head = nn.Linear(2 * width, n_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def make_dataset(n: int, image_size: int, seed: int = 0) -> TensorDataset:
+    """CIFAR-shaped synthetic images: a smooth pattern per class plus noise (same on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(N_CLASSES, 3, 4, 4, generator=g)
+    prototypes = nn.functional.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
+                                           align_corners=False)
+    labels = torch.randint(0, N_CLASSES, (n,), generator=g)
+    images = prototypes[labels] + 0.8 * torch.randn(n, 3, image_size, image_size, generator=g)
+    return TensorDataset(images, labels)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="DDP training with one memctl Controller per rank.")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (20)")
+    p.add_argument("--device", default="auto", help="'auto' (GPUs if there are), 'cpu' or 'cuda'")
+    p.add_argument("--budget", default=None, help="per-rank device budget, e.g. '12GiB' or '75%%' (none)")
+    p.add_argument("--bits", type=float, default=2.0, help="average bits per value without a budget (2)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="rank 0's API address; a non-loopback one needs MEMCTL_TOKEN")
+    p.add_argument("--port", type=int, default=8765, help="rank 0's API port, 0 for any free one (8765)")
+    p.add_argument("--no-serve", action="store_true", help="no HTTP API at all")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size per rank (32)")
+    p.add_argument("--image-size", type=int, default=16, help="image height and width (16)")
+    p.add_argument("--samples", type=int, default=1024, help="synthetic training images (1024)")
+    p.add_argument("--log-every", type=int, default=5, help="rank 0 prints ctl.stats() every N steps (5)")
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "image_size", "samples", "log_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    return args
+
+
+def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group (or make a group of one); returns rank, world size, device."""
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+    use_cuda = device_arg.startswith("cuda")
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device_arg}: torch.cuda.is_available() is False on this machine")
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:  # launched by torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE are set
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def sync_budget(ctl: memctl.Controller, rank: int) -> None:
+    """Rank 0's budget in force (the API may have changed it) is queued on every other rank."""
+    box: list[object] = [ctl.stats()["budget"] if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank != 0 and box[0] != ctl.stats()["budget"]:
+        ctl.set_budget(box[0])
+
+
+def params_in_sync(model: nn.Module) -> bool:
+    """True when every rank holds the same parameters (DDP's all-reduce at work)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    lo, hi = flat.clone(), flat.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world, device = init_distributed(args.device)
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = SmallCNN().to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    # NOTE [ One controller per rank ]: attach to the wrapped module.
+    ctl = memctl.Controller(ddp.module, optimizer, budget=args.budget, bits=args.bits, device=device)
+    if rank == 0:
+        print(f"memctl {memctl.__version__}: DDP over {world} process(es), backend {dist.get_backend()}, "
+              f"device {device}, budget {args.budget or 'none'}", flush=True)
+    failed = torch.zeros(1)
+    if rank == 0 and not args.no_serve:
+        try:
+            handle = ctl.serve(host=args.host, port=args.port)
+            print(f"rank 0 serves the memctl API at {handle.url}", flush=True)
+        except memctl.MemctlError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            failed += 1
+    dist.all_reduce(failed)  # every rank stops together if rank 0 could not serve
+    if failed.item():
+        ctl.detach()
+        dist.destroy_process_group()
+        return 2
+
+    dataset = make_dataset(args.samples, args.image_size)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    step, epoch, loss = 0, 0, torch.zeros(())
+    t0 = time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
+            loss.backward()  # DDP all-reduces gradients; memctl unpacks the compressed activations
+            optimizer.step()  # the controller's step runs on the optimizer's post-hook
+            optimizer.zero_grad(set_to_none=True)
+            sync_budget(ctl, rank)
+            step += 1
+            if rank == 0 and (step == 1 or step % args.log_every == 0):
+                s = ctl.stats()
+                print(f"step {s['step']:>4}  loss {float(loss.detach()):.3f}  activations "
+                      f"{format_bytes(s['raw_bytes'])} -> {format_bytes(s['packed_bytes'])} "
+                      f"(ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} bits/value)  "
+                      f"fits batch {ctl.batch_size}", flush=True)
+            if step >= args.steps:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - t0
+    s = ctl.stats()
+    print(f"rank {rank}: {s['step']} steps in {elapsed:.1f} s, ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} "
+          f"bits/value, budget {format_bytes(s['budget_bytes'])}, fallbacks {s['fallbacks']}", flush=True)
+    ctl.detach()
+    in_sync = params_in_sync(model)
+    if rank == 0:
+        print(f"parameters in sync across {world} rank(s): {in_sync}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if in_sync else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
