@@ -481,8 +481,8 @@ class Controller:
         layers = sorted(self._layers.values(), key=lambda s: s.name)
         g2 = median_grad_sq(layers)
         raw, packed = self._totals["raw_bytes"], self._totals["packed_bytes"]
-        controlled = sum(sum(s.numels) for s in layers)
-        bits_sum = sum(sum(s.numels) * _effective_bits(s, self.config) for s in layers)
+        controlled = sum(sum(s.numels) for s in layers if s.used_bits is not None)
+        bits_sum = sum(sum(s.numels) * s.used_bits for s in layers if s.used_bits is not None)
         memory_sample = self._monitor.latest() if self._monitor is not None else None
         snap = {
             "step": self._step,
@@ -505,7 +505,8 @@ class Controller:
             "layers": [
                 {
                     "name": s.name,
-                    "bits": _effective_bits(s, self.config) if s.numels else s.bits,
+                    "bits": s.used_bits if s.used_bits is not None else s.bits,
+                    "next_bits": _effective_bits(s, self.config),
                     "error_bound": s.error_bound,
                     "raw_bytes": s.raw_bytes,
                     "packed_bytes": s.packed_bytes,

@@ -156,9 +156,7 @@ class Packer:
             )
         if saved.mask is not None:
             positive = self._codec("lossless").decode(saved.mask)
-            tiny = torch.finfo(out.dtype).tiny
-            zero = torch.zeros((), dtype=out.dtype, device=out.device)
-            out = torch.where(positive, out.clamp_min(tiny), zero)
+            out = out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive)
         return out
 
     # -- internals -------------------------------------------------------------------
@@ -191,6 +189,7 @@ class Packer:
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
         if bits >= KEEP_BITS:
+            rec.bit_values += 8 * t.element_size() * t.numel()
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t)
         self._counter += 1
@@ -206,6 +205,7 @@ class Packer:
             return Saved(t.detach().clone(), t)
         if mask is not None:
             rec.packed_bytes += mask.nbytes
+        rec.bit_values += bits * t.numel()
         rec.packed_bytes += p.nbytes
         self._range_stats(t, p, rec)
         return Saved(p, t, mask)

@@ -42,6 +42,8 @@ class LayerStep:
     """Bytes the allocation does not control: small tensors, codec fallbacks."""
     mask_bytes: int = 0
     """Bytes of the 1-bit ReLU masks its controlled tensors need when compressed."""
+    bit_values: float = 0.0
+    """Σ bits × values over the controlled tensors, at the bits they were saved with."""
     other_bytes: int = 0
     """Bytes of non-float saved tensors (kept lossless)."""
     tensors: int = 0
@@ -76,6 +78,7 @@ class LayerState:
     batch: int = 1
     vmin: float | None = None
     vmax: float | None = None
+    used_bits: float | None = None
     seen_steps: int = 0
 
     def update(self, step: LayerStep, *, batch: int, decay: float) -> None:
@@ -89,6 +92,8 @@ class LayerState:
         self.element_size = step.element_size
         self.batch = max(batch, 1)
         self.seen_steps += 1
+        total = sum(step.numels)
+        self.used_bits = step.bit_values / total if total else None
         if step.mins:
             self.vmin = float(torch.stack([m.float().cpu() for m in step.mins]).min())
             self.vmax = float(torch.stack([m.float().cpu() for m in step.maxs]).max())

@@ -281,3 +281,32 @@ def test_set_budget_from_another_thread_applies_at_next_step() -> None:
     assert ctl.stats()["budget"] == 256 * 2**20
     assert ctl.budget_info()["pending"] is None
     ctl.detach()
+
+
+def test_errorbound_mode_and_acgc_objective() -> None:
+    torch.manual_seed(0)
+    model = CNN()
+    ctl, opt = _controller(model, codec="errorbound", objective="bytes", allocation_interval=1)
+    losses = [_train_step(model, opt, seed=i) for i in range(4)]
+    s = ctl.stats()
+    assert all(loss == loss for loss in losses)
+    assert s["codec"] == "errorbound"
+    assert s["fallbacks"] == 0
+    bounded = [e for e in s["layers"] if e["error_bound"] is not None]
+    assert bounded and all(e["error_bound"] > 0 for e in bounded)
+    assert s["packed_bytes"] < s["raw_bytes"]
+    assert s["allocation"]["feasible"]
+    ctl.detach()
+
+
+def test_monitor_runs_with_the_controller() -> None:
+    model = MLP()
+    ctl, opt = _controller(model, monitor_interval_s=0.02)
+    assert ctl._monitor is not None
+    _train_step(model, opt)
+    mem = ctl.stats()["memory"]
+    assert mem is not None and mem["reader"] == "host" and mem["process_bytes"] > 0
+    assert ctl.history()
+    monitor = ctl._monitor
+    ctl.detach()
+    assert ctl._monitor is None and not monitor.running
