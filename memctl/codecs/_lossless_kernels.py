@@ -2,9 +2,11 @@
 
 Byte ``k`` of the payload holds values ``8k .. 8k+7``, value ``8k + j`` in bit ``j``
 (LSB first); the bits past the last value are 0. The CPU kernel is a ``prange`` over
-output bytes; the CUDA kernels (in ``_lossless_cuda``, imported on first use) run one
-thread per output byte to pack and one thread per value to unpack, on PyTorch's current
-stream. Nothing here imports Numba before a kernel is first asked for.
+output bytes (compiled a second time without ``parallel`` for masks below
+``SERIAL_BELOW`` values, where a parallel launch costs more than the work). The CUDA
+kernels (in ``_lossless_cuda``, imported on first use) run one thread per output byte to
+pack and one thread per value to unpack, on PyTorch's current stream. Nothing here
+imports Numba before a kernel is first asked for.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ import torch
 
 from memctl.codecs import _backend
 
-__all__ = ["cpu_kernels", "cuda_kernels", "pack_cpu", "pack_cuda", "unpack_cpu", "unpack_cuda"]
+__all__ = [
+    "SERIAL_BELOW",
+    "cpu_kernels",
+    "cuda_kernels",
+    "pack_cpu",
+    "pack_cuda",
+    "unpack_cpu",
+    "unpack_cuda",
+]
 
 _TPB = 256
 # Below this many values the serial compilation runs (a parallel launch costs more than the work).

@@ -7,16 +7,22 @@ imports neither Numba nor ``numba.cuda``.
 
 NOTE [ Quantize CPU kernel ]
 ``prange`` runs over chunks of whole groups; per group the kernel makes three passes
-over values that sit in L1: (1) min/max with plain comparisons, which skip NaN by
-themselves, plus an integer test "exponent all ones" that flags NaN/Inf; a flagged group
-(rare) recomputes min/max over finite values only; (2) one code per value with the
-group's constants hoisted (``mn64``, the scale ``B * 2**24 / R``, the hash key), one
-``lowbias32`` and no division per value, written to a small scratch array; (3) packing of
-the codes with the bit width as a literal so the inner loop is unrolled. Passes (1) and
-(2) vectorise (AVX-512 has packed float64 -> int64 conversion and 64-bit multiplies).
+over values that sit in L1: (1) min/max over finite values on int32 keys ordered like
+the floats (``b ^ ((b >> 31) & 0x7fffffff)`` of the bits ``b``; non-finite values are
+replaced by neutral keys and flag the group), because integer min/max reductions
+vectorise without fast-math while float ones do not; (2) one code per value with the
+group's constants hoisted (``mn64``, the scale ``B * 2**24 / R``, the hash key): one
+``lowbias32`` and no division per value, into a small scratch array; a flagged group
+takes a branchy loop that codes non-finite values 0; (3) packing with the bit width as
+a literal so the inner loop unrolls. Loops are zero-based over slices of the group:
+indexing the whole array (``x[s + j]``) keeps Numba's negative-index wrap-around in the
+loop and stops LLVM's vectoriser. Passes (1) and (2) vectorise (AVX-512 has packed
+float64 -> int64 conversion and 64-bit multiplies). Tensors below ``SERIAL_BELOW``
+values run the same code compiled without ``parallel`` (a parallel launch costs more
+than their work, and much more while other processes keep the cores busy).
 
 NOTE [ Quantize CUDA kernels ]
-Encode is one block of ``_TPB`` threads per group (grid-stride over groups): the block
+Encode is one block of ``TPB`` threads per group (grid-stride over groups): the block
 reads the group once for a shared-memory min/max reduction (no warp shuffles, so it also
 runs in the simulator), then each thread writes whole output bytes (``8 / bits`` values
 per byte, consecutive threads on consecutive bytes, so loads and stores are coalesced).
@@ -37,10 +43,16 @@ import torch
 
 from memctl.codecs import _backend, _rng
 
-__all__ = ["cpu_kernels", "cuda_kernels", "decode_cpu", "decode_cuda", "encode_cpu", "encode_cuda"]
+__all__ = [
+    "SERIAL_BELOW",
+    "cpu_kernels",
+    "cuda_kernels",
+    "decode_cpu",
+    "decode_cuda",
+    "encode_cpu",
+    "encode_cuda",
+]
 
-
-_SCALE24 = 16777216.0  # 2**24: 24 bits of the fraction and of the random number
 _CHUNKS_PER_THREAD = 16
 # Below this many values the serial compilation of the same kernel runs: a parallel launch
 # costs tens of microseconds, and far more when the cores are busy with other work.

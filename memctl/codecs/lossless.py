@@ -76,7 +76,9 @@ class LosslessCodec:
     ) -> Packed:
         """Store ``t`` exactly (``bits`` and ``error_bound`` must be None; ``seed`` is unused)."""
         if not isinstance(t, torch.Tensor):
-            raise CodecError(f"'lossless' encodes a torch.Tensor, got {type(t).__name__}")
+            raise CodecError(
+                f"'lossless' encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
+            )
         if bits is not None or error_bound is not None:
             raise CodecError(
                 f"'lossless' is exact and takes no bits/error_bound (got bits={bits!r}, "

@@ -26,9 +26,10 @@ unbiased stochastic rounding, done in integers. Decode::
 
 NOTE [ Quantize arithmetic ]
 No step of encode or decode multiplies and then adds (``(x - mn) * s`` subtracts first; decode
-adds after a division), so the FMA contraction that NVVM applies by default even with
-``fastmath=False`` cannot change a bit, and the reference, the CPU kernel and the CUDA kernel
-write identical bytes. Divisions are IEEE in all three (the reference never divides by a
+adds after a division). libNVVM contracts multiply-add pairs into FMAs unless given ``-fma=0``,
+and Numba-CUDA passes no such option with ``fastmath=False``; with no such pair there is
+nothing to contract, and the reference, the CPU kernel and the CUDA kernel write identical
+bytes. Divisions are IEEE in all three (the reference never divides by a
 Python scalar, which PyTorch's CUDA backend turns into a reciprocal multiply).
 
 NOTE [ float32 group metadata ]
@@ -61,6 +62,7 @@ __all__ = ["BITS", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
 
 BITS: tuple[int, ...] = (1, 2, 4, 8)
 _NAME = "quantize"
+_REF_CHUNK = 1 << 22  # values per chunk of the reference (bounds its temporaries)
 
 
 def _check_group_size(group_size: object) -> int:
@@ -141,7 +143,22 @@ def _group_minmax(flat: torch.Tensor, group: int) -> torch.Tensor:
 def _encode_reference(
     flat: torch.Tensor, bits: int, group: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Readable PyTorch encode (the specification of the kernels): ``(payload, meta)``."""
+    """Readable PyTorch encode (the specification of the kernels): ``(payload, meta)``.
+
+    Works through chunks of whole groups, so its float64 temporaries stay bounded when it
+    runs on a GPU as the fallback of NOTE [ CUDA fallback ].
+    """
+    step = max(1, _REF_CHUNK // group) * group
+    parts = [_encode_chunk(flat[s : s + step], s, bits, group, seed) for s in range(0, flat.numel(), step)]
+    if not parts:
+        return _encode_chunk(flat, 0, bits, group, seed)
+    return torch.cat([p for p, _ in parts]), torch.cat([m for _, m in parts])
+
+
+def _encode_chunk(
+    flat: torch.Tensor, start: int, bits: int, group: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode the values ``flat`` that sit at positions ``start...`` of the flattened tensor."""
     big = (1 << bits) - 1
     n = flat.numel()
     meta = _group_minmax(flat, group)
@@ -149,16 +166,16 @@ def _encode_reference(
         return torch.empty(0, dtype=torch.uint8, device=flat.device), meta
     mn = meta[:, 0].double()
     rng = meta[:, 1].double() - mn
-    numerator = torch.full_like(rng, big * 2.0**24)
+    numerator = torch.full_like(rng, big * 2.0**24)  # a tensor: never divide by a Python scalar
     scale = torch.where(rng > 0, numerator / torch.where(rng > 0, rng, 1.0), 0.0)
     x = _padded_groups(flat, group, 0.0).double()
     finite = torch.isfinite(x)
     d = torch.where(finite, x - mn[:, None], 0.0)
-    t = (d * scale[:, None]).to(torch.int64)
-    index = torch.arange(x.numel(), dtype=torch.int64, device=flat.device).reshape(x.shape)
-    r = _rng.hash_torch(seed, index) >> 8
+    t = (d * scale[:, None]).to(torch.int64)  # truncation toward zero, t >= 0
+    local = torch.arange(x.numel(), dtype=torch.int64, device=flat.device).reshape(x.shape)
+    r = _rng.hash_torch(seed, local + start) >> 8
     q = torch.clamp_max((t + r) >> 24, big)
-    q = torch.where(finite & (index < n), q, 0)
+    q = torch.where(finite & (local < n), q, 0)  # non-finite values and padding: code 0
     per = 8 // bits
     shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=flat.device)
     payload = (q.reshape(-1, per) << shifts).sum(dim=1).to(torch.uint8)
@@ -168,20 +185,25 @@ def _encode_reference(
 def _decode_reference(
     payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int
 ) -> torch.Tensor:
-    """Readable PyTorch decode: the float32 values, 1-D."""
+    """Readable PyTorch decode: the float32 values, 1-D (chunked like the encode)."""
     big = (1 << bits) - 1
-    if n == 0:
-        return torch.empty(0, dtype=torch.float32, device=payload.device)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=payload.device)
-    q = ((payload.to(torch.int64)[:, None] >> shifts) & big).reshape(meta.shape[0], group)
-    mn32, mx32 = meta[:, 0:1], meta[:, 1:2]
-    mn = mn32.double()
-    rng = mx32.double() - mn
-    levels = torch.arange(big + 1, dtype=torch.float64, device=payload.device)[None, :]
-    divisor = torch.full((meta.shape[0], big + 1), float(big), dtype=torch.float64, device=payload.device)
-    table = (mn + (levels * rng) / divisor).to(torch.float32)
-    table = torch.maximum(torch.minimum(table, mx32), mn32)
-    return torch.gather(table, 1, q).reshape(-1)[:n]
+    gbytes = group * bits // 8
+    chunk = max(1, _REF_CHUNK // group)
+    parts = [torch.empty(0, dtype=torch.float32, device=payload.device)]
+    for g in range(0, meta.shape[0], chunk):
+        m = meta[g : g + chunk]
+        shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=payload.device)
+        codes = payload[g * gbytes : (g + m.shape[0]) * gbytes].to(torch.int64)
+        q = ((codes[:, None] >> shifts) & big).reshape(m.shape[0], group)
+        mn32, mx32 = m[:, 0:1], m[:, 1:2]
+        mn = mn32.double()
+        rng = mx32.double() - mn
+        levels = torch.arange(big + 1, dtype=torch.float64, device=payload.device)[None, :]
+        divisor = torch.full((m.shape[0], big + 1), float(big), dtype=torch.float64, device=payload.device)
+        table = (mn + (levels * rng) / divisor).to(torch.float32)
+        table = torch.maximum(torch.minimum(table, mx32), mn32)
+        parts.append(torch.gather(table, 1, q).reshape(-1))
+    return torch.cat(parts)[:n]
 
 
 class QuantizeCodec:
@@ -212,7 +234,9 @@ class QuantizeCodec:
     ) -> Packed:
         """Quantize ``t`` (float32/16, bfloat16; any shape and layout) to ``bits`` per value."""
         if not isinstance(t, torch.Tensor):
-            raise CodecError(f"'quantize' encodes a torch.Tensor, got {type(t).__name__}")
+            raise CodecError(
+                f"'quantize' encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
+            )
         if t.dtype not in FLOAT_DTYPES:
             raise CodecError(
                 f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
@@ -258,7 +282,7 @@ class QuantizeCodec:
             except Exception as exc:
                 self._cuda_fallback(exc)
         payload, meta = _encode_reference(flat, bits, group, seed)
-        return payload, meta, int(meta.numel() > 0 and not bool(torch.isfinite(flat).all()))
+        return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
 
     def _cuda_fallback(self, exc: Exception) -> None:
         """Switch this codec to the reference on the GPU after a compile failure (warn once)."""

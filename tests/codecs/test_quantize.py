@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import warnings
@@ -12,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memctl.codecs import _quantize_kernels, _rng, decode, get
+from memctl.codecs import _quantize_kernels, _rng, decode, get, quantize
 from memctl.codecs.base import Packed
 from memctl.codecs.quantize import QuantizeCodec, QuantizeConfig, packed_nbytes
 from memctl.errors import CodecError, ConfigError
@@ -123,6 +124,17 @@ def test_parallel_and_serial_cpu_kernels_match_reference(numel: int) -> None:
         cpu = codec.encode(x, bits=bits, seed=11, impl="cpu")
         assert ref.to_bytes() == cpu.to_bytes()
         assert torch.equal(codec.decode(cpu).nan_to_num(), codec.decode(ref, impl="reference").nan_to_num())
+
+
+def test_reference_in_small_chunks_writes_the_same_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quantize, "_REF_CHUNK", 64)  # chunks of whole groups: 2 groups of 24
+    x = torch.randn(1000)
+    x[500] = math.nan
+    codec = QuantizeCodec(group_size=24)
+    for bits in BITS:
+        ref = codec.encode(x, bits=bits, seed=3, impl="reference")
+        assert ref.to_bytes() == codec.encode(x, bits=bits, seed=3, impl="cpu").to_bytes()
+        assert torch.equal(codec.decode(ref, impl="reference").nan_to_num(), codec.decode(ref).nan_to_num())
 
 
 @pytest.mark.parametrize(
@@ -239,7 +251,7 @@ def test_record_params_and_config_travel() -> None:
     y = decode(p)  # a default-configured codec reads group size and bits from the record
     _check_bound(x, y, p, 4)
     assert torch.equal(y, codec.decode(p))
-    with pytest.raises(Exception):  # noqa: B017 - frozen dataclass
+    with pytest.raises(dataclasses.FrozenInstanceError):
         codec.config.group_size = 64  # type: ignore[misc]
 
 
