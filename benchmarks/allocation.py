@@ -25,6 +25,7 @@ import statistics
 
 import numpy as np
 
+from memctl.codecs.quantize import packed_nbytes
 from memctl.controller.allocation import (
     DEFAULT_MIP_REL_GAP,
     DEFAULT_TIME_LIMIT_S,
@@ -41,9 +42,8 @@ GROUP = 256
 
 
 def packed_size(numel: int, bits: int) -> int:
-    """Payload bits rounded up to bytes plus two fp16 values (min, range) per group."""
-    groups = -(-numel // GROUP)
-    return -(-numel * bits // 8) + 4 * groups
+    """The quantize codec's exact record size (payload plus float32 min/max per group)."""
+    return packed_nbytes(numel, bits, GROUP)
 
 
 def random_layers(rng: np.random.Generator, n: int) -> list[LayerSpec]:

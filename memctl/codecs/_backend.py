@@ -96,7 +96,9 @@ def to_device_array(t: torch.Tensor) -> Any:
     simulator a CPU tensor is copied into a simulated device array.
     """
     if t.device.type == "cuda":
-        return cuda().as_cuda_array(t.detach())
+        # sync=False: kernels run on PyTorch's current stream, which orders them after
+        # whatever produced ``t``; a device-wide sync per buffer would only cost time.
+        return cuda().as_cuda_array(t.detach(), sync=False)
     return cuda().to_device(t.detach().contiguous().numpy())
 
 

@@ -5,7 +5,10 @@ Format: one uint8 buffer ``payload``.
 - ``torch.bool``: ``ceil(n / 8)`` bytes, value ``j`` of the flattened tensor in bit ``j % 8``
   of byte ``j // 8`` (LSB first), the bits past the end 0: 8x smaller than PyTorch's
   one byte per bool (dropout and ReLU masks are saved as bools).
-- every other dtype (floats, ints, complex): the raw bytes of a contiguous copy.
+- ``int16``/``int32``/``int64``: when the values span a narrower range, the values minus
+  their minimum in the narrowest of 8, 16 or 32 bits (buffer ``payload``) and the minimum
+  as one int64 (buffer ``offset``); NOTE [ Integer narrowing ].
+- every other dtype (floats, uint8, int8, complex): the raw bytes of a contiguous copy.
 
 The record is always a copy: modifying the tensor after ``encode`` (autograd no longer
 detects in-place changes of a saved tensor once hooks are active) leaves the record as it
@@ -24,6 +27,20 @@ from memctl.codecs.base import Impl, Packed
 from memctl.errors import CodecError
 
 __all__ = ["LosslessCodec", "LosslessConfig"]
+
+# NOTE [ Integer narrowing ]
+# Max-pool saves int64 indices into each input plane (0..H·W-1): at 8 bytes a value they
+# can outweigh the 2-bit activations around them. An integer tensor whose span
+# max − min fits a narrower unsigned width is stored as (x − min − 2^(w−1)) in the signed
+# type of w bits, with min kept in an int64 buffer, so decoding is exact. Finding the span
+# is one reduction (on a GPU, one scalar read back). The narrowing is PyTorch code shared
+# by every implementation, so their records stay byte-identical.
+_NARROW: dict[torch.dtype, tuple[tuple[int, torch.dtype], ...]] = {
+    torch.int16: ((8, torch.int8),),
+    torch.int32: ((8, torch.int8), (16, torch.int16)),
+    torch.int64: ((8, torch.int8), (16, torch.int16), (32, torch.int32)),
+}
+_MIN_NARROW_NUMEL = 64
 
 _NAME = "lossless"
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -92,17 +109,25 @@ class LosslessCodec:
         _rng.check_seed(seed)
         chosen = _backend.resolve_impl(impl, t.device)
         flat = t.detach().reshape(-1)
+        buffers: dict[str, torch.Tensor] = {}
         if t.dtype is torch.bool:
-            payload = self._pack(chosen, flat.contiguous())
+            buffers["payload"] = self._pack(chosen, flat.contiguous())
+            layout = "bits"
         else:
-            payload = flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+            narrowed = _narrow(flat)
+            if narrowed is not None:
+                buffers["payload"], buffers["offset"], width = narrowed
+                layout = f"narrow{width}"
+            else:
+                buffers["payload"] = flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+                layout = "raw"
         return Packed(
             codec=_NAME,
             shape=tuple(t.shape),
             dtype=t.dtype,
             device=t.device,
-            buffers={"payload": payload},
-            params={"layout": "bits" if t.dtype is torch.bool else "raw"},
+            buffers=buffers,
+            params={"layout": layout},
         )
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
@@ -116,6 +141,8 @@ class LosslessCodec:
         chosen = _backend.resolve_impl(impl, p.device)
         if p.dtype is torch.bool:
             flat = self._unpack(chosen, payload, p.numel)
+        elif str(p.params.get("layout", "")).startswith("narrow"):
+            flat = _widen(payload, p.buffers["offset"], p.dtype, int(str(p.params["layout"])[6:]))
         else:
             flat = payload.clone().view(p.dtype)
         return flat.reshape(p.shape).to(p.device)
@@ -154,3 +181,25 @@ class LosslessCodec:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``(payload, offset, bits)`` of NOTE [ Integer narrowing ], or None when nothing is saved."""
+    widths = _NARROW.get(flat.dtype)
+    if widths is None or flat.numel() < _MIN_NARROW_NUMEL:
+        return None
+    lo, hi = torch.aminmax(flat)
+    span = int(hi.to(torch.int64)) - int(lo.to(torch.int64))
+    for bits, narrow in widths:
+        if span < (1 << bits):
+            shifted = flat.to(torch.int64) - (lo.to(torch.int64) + (1 << (bits - 1)))
+            payload = shifted.to(narrow).contiguous().view(torch.uint8)
+            return payload, lo.to(torch.int64).reshape(1).clone(), bits
+    return None
+
+
+def _widen(payload: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_narrow` for a payload of ``bits``-bit values."""
+    narrow = {8: torch.int8, 16: torch.int16, 32: torch.int32}[bits]
+    values = payload.view(narrow).to(torch.int64) + (offset.to(torch.int64) + (1 << (bits - 1)))
+    return values.to(dtype)

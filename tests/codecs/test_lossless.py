@@ -140,3 +140,39 @@ def test_reference_and_cuda_kernel_are_byte_identical(shape: tuple[int, ...]) ->
         assert ref.to_bytes() == sim.to_bytes()
         assert _same(codec.decode(sim, impl="cuda"), x)
         assert _same(codec.decode(ref, impl="cuda"), x)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.int16, torch.int32, torch.int64]),
+    n=st.integers(0, 700),
+    lo=st.integers(-(2**63), 2**63 - 1),
+    span=st.sampled_from([0, 1, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**62]),
+    seed=st.integers(0, 2**16),
+)
+def test_integers_narrow_exactly(dtype: torch.dtype, n: int, lo: int, span: int, seed: int) -> None:
+    info = torch.iinfo(dtype)
+    lo = max(info.min, min(lo, info.max))
+    hi = min(info.max, lo + span)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo)).to(torch.int64)
+    x = (x + lo).clamp(lo, hi).to(dtype)
+    if n:
+        x[0] = lo
+        x[-1] = hi
+    codec = LosslessCodec()
+    p = codec.encode(x)
+    assert torch.equal(codec.decode(p), x)
+    assert p.nbytes == sum(b.numel() * b.element_size() for b in p.buffers.values())
+    width = hi - lo
+    if n >= 64 and width < 2**8 and dtype is not torch.int8:
+        assert p.params["layout"] == "narrow8"
+        assert p.nbytes == n + 8
+
+
+def test_maxpool_indices_shrink_8x() -> None:
+    x = torch.randn(4, 8, 16, 16)
+    _, idx = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    p = LosslessCodec().encode(idx)
+    assert p.nbytes == idx.numel() + 8 < idx.numel() * 8 // 7
+    assert torch.equal(LosslessCodec().decode(p), idx)
