@@ -340,7 +340,7 @@ def cpu_kernels() -> Kernels:
     ops = make_group_ops(numba.njit(fastmath=False))
     plan_group, pack_group, unpack_group = ops.plan, ops.pack, ops.unpack_group
 
-    @numba.njit(parallel=True, fastmath=False)
+    @numba.njit(parallel=True, fastmath=False, nogil=True)
     def plan(
         x: Any, n: Any, gs: Any, e: Any, cast_rel: Any, cast_min: Any, shrink: Any, vmax: Any,
         raw_width: Any, mode: Any, qmin: Any, step: Any, size: Any,
@@ -348,7 +348,7 @@ def cpu_kernels() -> Kernels:
         for g in numba.prange(mode.shape[0]):
             plan_group(x, g, n, gs, e, cast_rel, cast_min, shrink, vmax, raw_width, mode, qmin, step, size)
 
-    @numba.njit(parallel=True, fastmath=False)
+    @numba.njit(parallel=True, fastmath=False, nogil=True)
     def pack(
         x: Any, xraw: Any, n: Any, gs: Any, raw_width: Any,
         mode: Any, qmin: Any, step: Any, offset: Any, payload: Any,
@@ -356,7 +356,7 @@ def cpu_kernels() -> Kernels:
         for g in numba.prange(mode.shape[0]):
             pack_group(x, xraw, g, n, gs, raw_width, mode, qmin, step, offset, payload)
 
-    @numba.njit(parallel=True, fastmath=False)
+    @numba.njit(parallel=True, fastmath=False, nogil=True)
     def unpack(
         payload: Any, n: Any, gs: Any, exp_bits: Any, man_bits: Any,
         mode: Any, qmin: Any, step: Any, offset: Any, out: Any,

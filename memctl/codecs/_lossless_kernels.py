@@ -68,8 +68,8 @@ def cpu_kernels() -> SimpleNamespace:
             for j in range(min(8, n - 8 * k)):
                 out[8 * k + j] = (b >> j) & 1
 
-    parallel = numba.njit(parallel=True, cache=False)
-    serial = numba.njit(parallel=False, cache=False)  # prange runs as range
+    parallel = numba.njit(parallel=True, cache=False, nogil=True)
+    serial = numba.njit(parallel=False, cache=False, nogil=True)  # prange runs as range
     return SimpleNamespace(
         pack=parallel(pack), unpack=parallel(unpack), pack_serial=serial(pack), unpack_serial=serial(unpack)
     )

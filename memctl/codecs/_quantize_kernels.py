@@ -225,8 +225,8 @@ def cpu_kernels() -> SimpleNamespace:
                     for j in range(m):
                         os[j] = lv[(ps[(j * bits) >> 3] >> ((j * bits) & 7)) & big]
 
-    parallel = numba.njit(parallel=True, cache=False, fastmath=False)
-    serial = numba.njit(parallel=False, cache=False, fastmath=False)  # prange runs as range
+    parallel = numba.njit(parallel=True, cache=False, fastmath=False, nogil=True)
+    serial = numba.njit(parallel=False, cache=False, fastmath=False, nogil=True)  # prange runs as range
     return SimpleNamespace(
         encode=parallel(encode),
         decode=parallel(decode),
