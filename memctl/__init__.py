@@ -17,6 +17,7 @@ from memctl._version import __version__
 from memctl.errors import BudgetError, CodecError, ConfigError, MemctlError
 
 if TYPE_CHECKING:
+    from memctl.controller.config import CodecMode, ControllerConfig, Objective
     from memctl.controller.controller import Controller
     from memctl.controller.sampler import AdaptiveBatchSampler
 
@@ -24,15 +25,21 @@ __all__ = [
     "AdaptiveBatchSampler",
     "BudgetError",
     "CodecError",
+    "CodecMode",
     "ConfigError",
     "Controller",
+    "ControllerConfig",
     "MemctlError",
+    "Objective",
     "__version__",
 ]
 
 _LAZY = {
     "Controller": "memctl.controller.controller",
     "AdaptiveBatchSampler": "memctl.controller.sampler",
+    "ControllerConfig": "memctl.controller.config",
+    "CodecMode": "memctl.controller.config",
+    "Objective": "memctl.controller.config",
 }
 
 

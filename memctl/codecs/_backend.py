@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -29,9 +30,11 @@ __all__ = [
     "cuda_simulated",
     "from_device_array",
     "is_cuda_compile_error",
+    "require_tensor",
     "resolve_impl",
     "to_device_array",
     "torch_stream",
+    "warn_cuda_fallback",
 ]
 
 CUDA_EXTRA_HINT = (
@@ -136,3 +139,26 @@ def is_cuda_compile_error(exc: BaseException) -> bool:
     return isinstance(exc, (OSError, RuntimeError, ImportError)) and any(
         word in text for word in ("libdevice", "nvvm", "nvrtc", "libcudart", "cuda_runtime.h")
     )
+
+
+def warn_cuda_fallback(codec: str, exc: BaseException) -> None:
+    """Re-raise ``exc`` unless it is a CUDA compile failure; then warn (NOTE [ CUDA fallback ]).
+
+    The caller records the failure and runs its reference from then on.
+    """
+    if not is_cuda_compile_error(exc):
+        raise exc
+    warnings.warn(
+        f"{codec!r}: the CUDA kernels could not be compiled ({type(exc).__name__}: {exc}); "
+        f"using the PyTorch reference on the GPU instead (same bytes, slower). {CUDA_EXTRA_HINT}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def require_tensor(t: object, codec: str) -> None:
+    """Raise a :class:`CodecError` naming ``codec`` unless ``t`` is a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise CodecError(
+            f"{codec!r} encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
+        )

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -141,8 +140,7 @@ class ErrorBoundCodec:
 
         ``seed`` is accepted for the common codec signature and ignored (deterministic).
         """
-        if not isinstance(t, torch.Tensor):
-            raise CodecError(f"errorbound encodes a torch.Tensor, got {type(t).__name__}")
+        _backend.require_tensor(t, self.name)
         spec = dtype_spec(t.dtype)
         if spec is None:
             allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
@@ -208,16 +206,8 @@ class ErrorBoundCodec:
             try:
                 return kernels()
             except Exception as exc:
-                if not _backend.is_cuda_compile_error(exc):
-                    raise
+                _backend.warn_cuda_fallback(self.name, exc)
                 self._cuda.failed = True
-                warnings.warn(
-                    f"errorbound: the CUDA kernels could not be compiled ({type(exc).__name__}: {exc}); "
-                    "using the PyTorch reference on the GPU instead (same bytes, slower). "
-                    f"{_backend.CUDA_EXTRA_HINT}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
         return reference()
 
 

@@ -17,7 +17,6 @@ was, and ``decode`` returns a fresh tensor, never a view of the record.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,10 +91,7 @@ class LosslessCodec:
         impl: Impl | str | None = None,
     ) -> Packed:
         """Store ``t`` exactly (``bits`` and ``error_bound`` must be None; ``seed`` is unused)."""
-        if not isinstance(t, torch.Tensor):
-            raise CodecError(
-                f"'lossless' encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
-            )
+        _backend.require_tensor(t, _NAME)
         if bits is not None or error_bound is not None:
             raise CodecError(
                 f"'lossless' is exact and takes no bits/error_bound (got bits={bits!r}, "
@@ -172,15 +168,8 @@ class LosslessCodec:
         return _unpack_reference(payload, n)
 
     def _cuda_fallback(self, exc: Exception) -> None:
-        if not _backend.is_cuda_compile_error(exc):
-            raise exc
+        _backend.warn_cuda_fallback(_NAME, exc)
         self._cuda_failed = True
-        warnings.warn(
-            f"'lossless': the CUDA kernel could not be compiled ({type(exc).__name__}: {exc}); "
-            f"using the PyTorch reference on the GPU instead. {_backend.CUDA_EXTRA_HINT}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -48,7 +48,6 @@ report is one small device-to-host read per encoded tensor.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,10 +232,7 @@ class QuantizeCodec:
         impl: Impl | str | None = None,
     ) -> Packed:
         """Quantize ``t`` (float32/16, bfloat16; any shape and layout) to ``bits`` per value."""
-        if not isinstance(t, torch.Tensor):
-            raise CodecError(
-                f"'quantize' encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
-            )
+        _backend.require_tensor(t, _NAME)
         if t.dtype not in FLOAT_DTYPES:
             raise CodecError(
                 f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
@@ -286,15 +282,8 @@ class QuantizeCodec:
 
     def _cuda_fallback(self, exc: Exception) -> None:
         """Switch this codec to the reference on the GPU after a compile failure (warn once)."""
-        if not _backend.is_cuda_compile_error(exc):
-            raise exc
+        _backend.warn_cuda_fallback(_NAME, exc)
         self._cuda_failed = True
-        warnings.warn(
-            f"'quantize': the CUDA kernel could not be compiled ({type(exc).__name__}: {exc}); "
-            f"using the PyTorch reference on the GPU instead, which is slower. {_backend.CUDA_EXTRA_HINT}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
         """The tensor a record holds: original shape, dtype and device."""

@@ -44,6 +44,7 @@ def test_compresses_every_model_kind(model_cls: type[nn.Module]) -> None:
         assert key in s
     assert s["step"] == 3
     assert s["fallbacks"] == 0
+    assert s["attribution"] == "modules"
     assert s["raw_bytes"] > 0
     assert s["ratio"] > 4.0, s
     names = {entry["name"] for entry in s["layers"]}
@@ -252,7 +253,7 @@ def test_torch_compile_still_compresses() -> None:
         opt.zero_grad()
     s = ctl.stats()
     assert s["raw_bytes"] > 0 and s["packed_bytes"] < s["raw_bytes"]
-    assert s["attribution"] in ("modules", "lost (torch.compile)")
+    assert s["attribution"] == "lost (torch.compile)"  # said, not failed
     ctl.detach()
 
 
