@@ -326,11 +326,11 @@ class Controller:
             self._event("allocation", f"{result.solver}: {result.status}")
 
     def _update_batch_size(self, batch: int) -> None:
-        if self._allocation is not None and not self._allocation["feasible"]:
-            pass  # set by _reallocate to the recommendation
-        elif self._activation_budget is None or batch <= 0:
+        """Largest batch that fits (an infeasible budget keeps ``_reallocate``'s recommendation)."""
+        infeasible = self._allocation is not None and not self._allocation["feasible"]
+        if not infeasible and (self._activation_budget is None or batch <= 0):
             self._batch_size = batch if batch > 0 else self._batch_size
-        else:
+        elif not infeasible and self._activation_budget is not None:
             layers = [s for s in self._layers.values() if s.numels or s.fixed_bytes or s.other_bytes]
             per_sample = policy.bytes_per_sample(layers, self.config, batch)
             if per_sample > 0:
