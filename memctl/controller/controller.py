@@ -111,6 +111,8 @@ class Controller:
         self._allocation: dict[str, Any] | None = None
         self._attribution_lost = False
         self._probing = True
+        self._calls_at_open = 0
+        self._budget_changed = False
         self._totals: dict[str, Any] = {"raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0}
         self._tracker = ModuleTracker()
         self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
@@ -235,11 +237,13 @@ class Controller:
         self._batch_seen = 0
         self._attribution_lost = bool(records) and set(records) <= {ROOT, MODEL} and any(
             True for m in self.model.modules() if m is not self.model
-        ) and self._tracker.module_calls == getattr(self, "_calls_at_open", 0)
+        ) and self._tracker.module_calls == self._calls_at_open
         for state in self._layers.values():
             if state.name not in records:
                 state.raw_bytes = state.packed_bytes = state.fixed_bytes = state.other_bytes = 0
+                state.mask_bytes = 0
                 state.numels = ()
+                state.used_bits = None
         for name, rec in records.items():
             state = self._layers.setdefault(name, LayerState(name=name))
             state.update(rec, batch=batch, decay=self.config.ema_decay)
@@ -252,10 +256,11 @@ class Controller:
         }
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
         self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
-        changed = self._apply_pending()
-        if records and (changed or self._allocation is None
+        self._budget_changed |= self._apply_pending()
+        if records and (self._budget_changed or self._allocation is None
                         or self._step % self.config.allocation_interval == 0):
-            self._reallocate(reason="budget change" if changed else "interval")
+            self._reallocate(reason="budget change" if self._budget_changed else "interval")
+            self._budget_changed = False
         self._update_batch_size(batch)
         self._packer.set_parameters(self.model)
         self._step += 1

@@ -114,3 +114,20 @@ def test_batch_size_grows_with_budget() -> None:
     assert small is not None and ctl.batch_size is not None
     assert ctl.batch_size > small > 16
     ctl.detach()
+
+
+def test_budget_change_at_an_empty_step_reallocates_at_the_next_real_one() -> None:
+    torch.manual_seed(0)
+    model = CNN(c=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000)
+    _run(ctl, model, opt, 1)
+    first = ctl.stats()["allocation"]
+    ctl.set_budget("128MiB")
+    opt.step()  # a step boundary that saved nothing (no forward)
+    assert ctl.stats()["budget"] == 128 * 2**20
+    assert ctl.stats()["allocation"] == first
+    _run(ctl, model, opt, 1)
+    after = ctl.stats()["allocation"]
+    assert after["step"] == 2 and after["reason"] == "budget change"
+    ctl.detach()
