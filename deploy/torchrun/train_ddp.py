@@ -156,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.all_reduce(failed)  # every rank stops together if rank 0 could not serve
     if failed.item():
         ctl.detach()
+        del ddp  # see the note at the end of main
         dist.destroy_process_group()
         return 2
 
@@ -191,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         print(f"parameters in sync across {world} rank(s): {in_sync}", flush=True)
     dist.barrier()
+    # Free DDP (and its gradient reducer) while the process group is still registered. Freed
+    # after destroy_process_group, the reducer holds the last reference to the Gloo group,
+    # whose destructor joins a worker thread that needs the GIL the destructor's caller
+    # holds: the process then hangs at exit (seen with torch 2.13, gloo, 2 CPU ranks).
+    del ddp, loss
     dist.destroy_process_group()
     return 0 if in_sync else 1
 
