@@ -31,47 +31,22 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import memctl
 from memctl.controller.budget import format_bytes
 
-N_CLASSES = 10
-
-
-class SmallCNN(nn.Module):
-    """Conv-BN-ReLU stages with pooling and a linear head."""
-
-    def __init__(self, width: int = 16, n_classes: int = N_CLASSES) -> None:
-        super().__init__()
-
-        def stage(c_in: int, c_out: int) -> nn.Sequential:
-            return nn.Sequential(
-                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)
-            )
-
-        self.features = nn.Sequential(stage(3, width), nn.MaxPool2d(2), stage(width, 2 * width))
-        self.head = nn.Linear(2 * width, n_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3)))
-
-
-def make_dataset(n: int, image_size: int, seed: int = 0) -> TensorDataset:
-    """CIFAR-shaped synthetic images: a smooth pattern per class plus noise (same on every rank)."""
-    g = torch.Generator().manual_seed(seed)
-    coarse = torch.randn(N_CLASSES, 3, 4, 4, generator=g)
-    prototypes = nn.functional.interpolate(coarse, size=(image_size, image_size), mode="bilinear",
-                                           align_corners=False)
-    labels = torch.randint(0, N_CLASSES, (n,), generator=g)
-    images = prototypes[labels] + 0.8 * torch.randn(n, 3, image_size, image_size, generator=g)
-    return TensorDataset(images, labels)
+# The model and data are the example trainer's (examples/train_cifar_like.py), shared so the
+# two stay one; this script adds only what DDP needs.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from train_cifar_like import SmallCNN, make_dataset
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -160,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
         return 2
 
-    dataset = make_dataset(args.samples, args.image_size)
+    dataset = make_dataset(args.samples, args.image_size, seed=0)  # the same data on every rank
     sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     step, epoch, loss = 0, 0, torch.zeros(())
