@@ -44,10 +44,13 @@ def default_bits(config: ControllerConfig) -> int:
     return min(config.bit_choices, key=lambda b: (abs(b - config.bits), -b))
 
 
-def _record_bytes(numels: tuple[int, ...], bits: int, group_size: int) -> int:
+def _choice_bytes(s: LayerState, bits: float, group_size: int) -> int:
+    """Bytes layer ``s``'s controlled tensors take at ``bits`` (KEEP_BITS: uncompressed)."""
+    if bits >= KEEP_BITS:
+        return sum(s.numels) * s.element_size
     from memctl.codecs.quantize import packed_nbytes
 
-    return sum(packed_nbytes(n, bits, group_size) for n in numels)
+    return sum(packed_nbytes(n, int(bits), group_size) for n in s.numels) + s.mask_bytes
 
 
 def _choices(config: ControllerConfig, keep: bool) -> list[int]:
@@ -62,12 +65,8 @@ def _cost_matrices(
     for i, s in enumerate(layers):
         c = s.sensitivity(fallback_g2)
         for k, b in enumerate(choices):
-            if b >= KEEP_BITS:
-                nbytes[i, k] = sum(s.numels) * s.element_size
-                variance[i, k] = 0.0
-            else:
-                nbytes[i, k] = _record_bytes(s.numels, b, config.group_size) + s.mask_bytes
-                variance[i, k] = c / float(2**b - 1) ** 2
+            nbytes[i, k] = _choice_bytes(s, b, config.group_size)
+            variance[i, k] = 0.0 if b >= KEEP_BITS else c / float(2**b - 1) ** 2
     return nbytes, variance
 
 
@@ -78,8 +77,8 @@ def _bytes_at_average(layers: list[LayerState], config: ControllerConfig) -> flo
     upper = min(b for b in config.bit_choices if b >= bits)
     total = 0.0
     for s in layers:
-        lo = _record_bytes(s.numels, lower, config.group_size) + s.mask_bytes
-        hi = _record_bytes(s.numels, upper, config.group_size) + s.mask_bytes
+        lo = _choice_bytes(s, lower, config.group_size)
+        hi = _choice_bytes(s, upper, config.group_size)
         frac = 0.0 if upper == lower else (bits - lower) / (upper - lower)
         total += lo + frac * (hi - lo)
     return total
@@ -153,11 +152,7 @@ def bytes_per_sample(layers: list[LayerState], config: ControllerConfig, batch: 
     total = 0
     for s in layers:
         b = s.bits if s.bits is not None else default_bits(config)
-        if b >= KEEP_BITS:
-            total += sum(s.numels) * s.element_size
-        else:
-            total += _record_bytes(s.numels, int(b), config.group_size) + s.mask_bytes
-        total += s.fixed_bytes + s.other_bytes
+        total += _choice_bytes(s, b, config.group_size) + s.fixed_bytes + s.other_bytes
     return total / max(batch, 1)
 
 
