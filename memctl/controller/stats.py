@@ -94,14 +94,15 @@ class LayerState:
         self.seen_steps += 1
         total = sum(step.numels)
         self.used_bits = step.bit_values / total if total else None
+        # One reduction per list, so a GPU run reads back one scalar each, not one per tensor.
         if step.mins:
-            self.vmin = float(torch.stack([m.float().cpu() for m in step.mins]).min())
-            self.vmax = float(torch.stack([m.float().cpu() for m in step.maxs]).max())
+            self.vmin = float(torch.stack([m.float() for m in step.mins]).min())
+            self.vmax = float(torch.stack([m.float() for m in step.maxs]).max())
         if step.range_terms:
-            term = float(sum(float(t) for t in step.range_terms)) / self.batch
+            term = float(torch.stack([t.double() for t in step.range_terms]).sum()) / self.batch
             self.ema_range_term = _ema(self.ema_range_term, term, decay)
         if step.grad_sq:
-            g2 = float(sum(float(g) for g in step.grad_sq))
+            g2 = float(torch.stack([g.double() for g in step.grad_sq]).sum())
             if math.isfinite(g2):
                 self.ema_grad_sq = _ema(self.ema_grad_sq, g2, decay)
 
