@@ -102,10 +102,16 @@ class Sampler:
         return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Start the background thread (no-op when it runs); it samples at once, then every interval."""
+        """Sample once now, then start the background thread that samples every interval.
+
+        A no-op when the thread runs. The first sample is taken in the caller, so
+        :meth:`latest` has one as soon as ``start`` returns.
+        """
         with self._state_lock:
             if self._thread is not None and self._thread.is_alive():
                 return
+            with contextlib.suppress(Exception):  # see _run
+                self.sample_now()
             stop = threading.Event()
             thread = threading.Thread(target=self._run, args=(stop,), name="memctl-monitor", daemon=True)
             self._stop, self._thread = stop, thread
@@ -195,10 +201,8 @@ class Sampler:
         return sample
 
     def _run(self, stop: threading.Event) -> None:
-        while True:
+        while not stop.wait(self._config.interval_s):
             # sample_now() catches reader errors itself; what is left (a warning turned into
             # an error by a -W filter) must not kill the thread.
             with contextlib.suppress(Exception):
                 self.sample_now()
-            if stop.wait(self._config.interval_s):
-                return
