@@ -78,8 +78,8 @@ class ControllerView(Protocol):
         - ``fallbacks`` (int): times a codec failed and the tensor was kept uncompressed,
           since attach.
         - ``allocation`` (Mapping | None): the last bit allocation, ``None`` before the first:
-          ``solver`` (str, e.g. ``"milp"``, ``"greedy"``), ``status`` (str, the solver's
-          message), ``time_ms`` (float, solve time), ``objective`` (float | None, the
+          ``solver`` (str: ``"dp"``, ``"milp"``, ``"greedy"`` or ``"trivial"``), ``status``
+          (str, the solver's message), ``time_ms`` (float, solve time), ``objective`` (float | None, the
           variance objective reached), ``feasible`` (bool), ``step`` (int, when solved).
         - ``events`` (list of Mapping): the most recent decisions, oldest first, bounded:
           ``step`` (int), ``time`` (float, unix s), ``kind`` (str, e.g. ``"budget"``,

@@ -1,4 +1,4 @@
-"""The generic multiple-choice knapsack: problem, answer, MILP solve with a greedy fallback.
+"""The generic multiple-choice knapsack: problem, answer, exact solve with fallbacks.
 
 Every layer picks exactly one of its choices (a bit width, or keeping the tensor as it
 is); choice ``k`` of layer ``l`` costs ``nbytes[l][k]`` bytes and adds ``variance[l][k]``
@@ -16,8 +16,9 @@ re-exported there.
 NOTE [ One greedy for both objectives ]
 Both modes are the same problem in canonical form: minimise ``Σ f`` subject to
 ``Σ g <= cap``. VARIANCE mode is ``f = variance, g = bytes, cap = budget``; BYTES mode
-swaps the roles, ``f = bytes, g = variance, cap = bound``. The MILP model, the greedy
-fallback and the repair step are therefore written once, for the canonical form.
+swaps the roles, ``f = bytes, g = variance, cap = bound``. The dynamic program, the MILP
+model, the greedy fallback and the repair step are therefore written once, for the
+canonical form.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_TIME_LIMIT_S",
     "VARIANCE_RTOL",
     "Allocation",
+    "Method",
     "Objective",
     "Problem",
     "Solver",
@@ -54,14 +56,19 @@ _log = logging.getLogger("memctl.allocation")
 
 # NOTE [ Solver defaults ]
 # HiGHS proves small allocations optimal in a few milliseconds, but for hundreds of layers
-# whose sensitivities span orders of magnitude a few large, sensitive layers make the
-# knapsack genuinely hard: proofs took tens of milliseconds to seconds on a 2-core CPU
-# (benchmarks/allocation.py), even after the reductions of NOTE [ Reduced-cost fixing ].
-# The controller solves every few steps on the training thread, so the whole solve is
-# time-boxed at 0.1 s, small next to the steps in between; then the better of HiGHS's
-# incumbent and the greedy answer is used (in the benchmark, a median of a few 1e-6
-# above the optimum; the greedy alone about 1e-4). The gap is relative to the real
-# objective; small problems come out exactly optimal (the tests compare with brute force).
+# whose sensitivities span orders of magnitude it is slow: on the 500-layer benchmark
+# (benchmarks/allocation.py, 2-core CPU) a proven optimum took a median of ~105 ms, the
+# root node alone ~75 ms, and even a 20-layer core left by the reductions took HiGHS
+# ~30 ms. The knapsack's own structure does better: the dynamic program of
+# NOTE [ Expanding-core dynamic program ] (in memctl.controller._dp) proves the same
+# optima in a median of ~6 ms (p95 ~10 ms). So `solve` runs the dynamic program first and hands over
+# to milp only when it stops early (its state budget or the deadline), with the best
+# answer so far as milp's bound; milp stays the general solver, and the tests compare the
+# two with each other and with brute force. The whole solve is time-boxed (the controller
+# solves on the training thread every few steps); past the limit the best answer found so
+# far is used, at worst the greedy one (median 1e-4 above the optimum). The default gap,
+# 1e-6 of the objective, is far below the noise of the sensitivities it is computed from
+# and halves the tail of the search; 0 asks for the optimum up to float rounding.
 DEFAULT_TIME_LIMIT_S = 0.1
 DEFAULT_MIP_REL_GAP = 1e-6
 
@@ -80,13 +87,24 @@ class Objective(str, enum.Enum):
 class Solver(str, enum.Enum):
     """Which path produced an :class:`Allocation`.
 
-    ``TRIVIAL`` means no search was needed: the unconstrained optimum fits, or the
-    problem is infeasible and the fallback assignment is returned.
+    ``DP``: the knapsack dynamic program; ``MILP``: ``scipy.optimize.milp``; ``GREEDY``: the
+    convex-hull greedy (the last fallback). ``TRIVIAL`` means no search was needed: the
+    unconstrained optimum fits, or the problem is infeasible and the fallback assignment
+    is returned.
     """
 
+    DP = "dp"
     MILP = "milp"
     GREEDY = "greedy"
     TRIVIAL = "trivial"
+
+
+class Method(str, enum.Enum):
+    """How :func:`solve` searches: ``AUTO`` runs the dynamic program and falls back to
+    milp when it stops early; ``MILP`` goes to ``scipy.optimize.milp`` directly."""
+
+    AUTO = "auto"
+    MILP = "milp"
 
 
 def _as_int_row(row: object, where: str) -> tuple[int, ...]:
@@ -242,7 +260,8 @@ class Allocation:
         feasible: whether the constraint holds; ``False`` only for an infeasible problem,
             whose answer is then the least-constrained assignment (cheapest in VARIANCE
             mode, most precise in BYTES mode).
-        solver: ``"milp"``, ``"greedy"`` (the fallback) or ``"trivial"`` (no search needed).
+        solver: ``"dp"``, ``"milp"``, ``"greedy"`` (the fallback) or ``"trivial"`` (no
+            search needed); see :class:`Solver`.
         status: what happened, in words (solver message, fallback reason, repair).
         time_s: wall time of the solve.
     """
@@ -321,17 +340,26 @@ def _check_options(time_limit_s: float, mip_rel_gap: float) -> None:
         raise ConfigError(f"mip_rel_gap = {mip_rel_gap!r}; give a number in [0, 1), e.g. 1e-9")
 
 
-def _fallback(problem: Problem, greedy: IntArray, reason: str, t0: float, *,
+def _fallback(problem: Problem, fallback: IntArray, fallback_solver: Solver, reason: str, t0: float, *,
               incumbent: IntArray | None = None, level: int = logging.WARNING) -> Allocation:
-    """The greedy answer (or the solver's incumbent when that is better), logged with ``reason``."""
-    choice, solver, status = greedy, Solver.GREEDY, f"greedy fallback: {reason}"
+    """The fallback answer (or milp's incumbent when that is better), logged with ``reason``."""
+    choice, solver = fallback, fallback_solver
+    status = f"fallback to the {fallback_solver.value} answer: {reason}"
     if incumbent is not None and problem.is_feasible(incumbent.tolist()) and (
-        _objective_of(problem, incumbent) < _objective_of(problem, greedy)
+        _objective_of(problem, incumbent) < _objective_of(problem, fallback)
     ):
         choice, solver = incumbent, Solver.MILP
-        status = f"milp incumbent, better than the greedy fallback: {reason}"
+        status = f"milp incumbent, better than the {fallback_solver.value} answer: {reason}"
     _log.log(level, "bit allocation: %s (%d layers)", status, problem.n_layers)
     return _answer(problem, choice, solver, status, t0)
+
+
+def _feasible_or_repaired(problem: Problem, choice: IntArray) -> tuple[IntArray, bool]:
+    """``choice``, or its repair when float rounding let it overshoot; and whether it fits."""
+    if problem.is_feasible(choice.tolist()):
+        return choice, True
+    repaired = _greedy.repair(problem._f, problem._g, problem.capacity * (1.0 - 1e-12), choice)
+    return repaired, problem.is_feasible(repaired.tolist())
 
 
 def solve(
@@ -340,72 +368,100 @@ def solve(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     mip_rel_gap: float = DEFAULT_MIP_REL_GAP,
     presolve: bool = True,
+    method: Method | str = Method.AUTO,
 ) -> Allocation:
-    """Solve ``problem`` with ``scipy.optimize.milp`` (HiGHS), falling back to the greedy.
+    """Solve ``problem`` exactly: the knapsack dynamic program, then ``scipy.optimize.milp``.
 
-    The greedy runs first: its answer is the upper bound for reduced-cost fixing (NOTE
-    [ Reduced-cost fixing ] in :mod:`memctl.controller._greedy`), which hands the MILP
-    only the choices that can still beat it, and it is the fallback.
+    The convex-hull greedy runs first: its answer is the first incumbent and the last
+    fallback. With ``method="auto"`` the dynamic program of
+    :mod:`memctl.controller._dp` searches for the optimum (NOTE [ Solver defaults ]); when
+    it finishes, its answer is optimal within ``mip_rel_gap``. When it stops early (its
+    state budget or the time limit) or with ``method="milp"``, ``scipy.optimize.milp``
+    (HiGHS) solves the model left after reduced-cost fixing against the best answer so
+    far (NOTE [ Reduced-cost fixing ] in :mod:`memctl.controller._greedy`).
 
     Args:
         problem: the validated knapsack.
-        time_limit_s: wall-time budget of the whole solve in seconds (> 0); HiGHS gets
-            what the preparation left. See NOTE [ Solver defaults ].
+        time_limit_s: wall-time budget of the whole solve in seconds (> 0).
         mip_rel_gap: accepted distance from the optimum, relative to the objective, in
-            [0, 1); 0 asks for a proven optimum.
+            [0, 1); 0 asks for the optimum up to float rounding.
         presolve: whether HiGHS presolves the model.
+        method: ``"auto"`` (the dynamic program, milp when it stops early) or ``"milp"``.
 
     Returns:
-        An :class:`Allocation`. The MILP answer is checked against the unscaled data; one
-        that overshoots by HiGHS's tolerance is repaired. When milp raises, reports no
-        solution, stops at the time limit (its incumbent is kept if it beats the greedy),
-        or returns something malformed, the greedy answers instead; the reason is logged
-        on ``memctl.allocation`` (INFO for the time limit, WARNING otherwise) and written
-        into ``status``. Never raises for a valid problem.
+        An :class:`Allocation`. Every answer is checked against the unscaled data; one
+        that overshoots by a float or solver tolerance is repaired. When milp raises,
+        reports no solution, stops at the time limit (its incumbent is kept if it beats
+        the best answer so far), or returns something malformed, the best answer so far
+        is used; the reason is logged on ``memctl.allocation`` (INFO for the time limit,
+        WARNING otherwise) and written into ``status``. Never raises for a valid problem.
     """
     _check_options(time_limit_s, mip_rel_gap)
+    try:
+        method = Method(method)
+    except ValueError:
+        raise ConfigError(f"method = {method!r}; allowed: {[m.value for m in Method]}") from None
     t0 = time.perf_counter()
     trivial = _trivial(problem, t0)
     if trivial is not None:
         return trivial
-    from memctl.controller._milp import solve_milp
-
     f, g, cap = problem._f, problem._g, problem.capacity
     keep = _greedy.candidates(f, g, cap)
     segs = _greedy.segments(f, g, keep)
-    greedy = _greedy_choice(problem, keep, segs)
+    best, best_solver = _greedy_choice(problem, keep, segs), Solver.GREEDY
+    dp_note = ""
+    if method is Method.AUTO:
+        from memctl.controller._dp import solve_dp
+
+        out = solve_dp(f, g, cap, keep, segs, best, gap=mip_rel_gap, deadline=t0 + time_limit_s)
+        choice, fits = _feasible_or_repaired(problem, out.choice)
+        if fits and _objective_of(problem, choice) < _objective_of(problem, best):
+            best, best_solver = choice, Solver.DP
+        summary = (f"{out.n_added} layers enumerated, {out.n_fixed} fixed by bounds, "
+                   f"at most {out.peak_states} states")
+        if out.proven and fits:
+            repaired = "" if choice is out.choice else "; repaired a float overshoot"
+            return _answer(problem, best, Solver.DP,
+                           f"optimal within {mip_rel_gap:g} (dynamic program: {summary}){repaired}", t0)
+        dp_note = f"dynamic program stopped early ({out.reason}; {summary}); "
+        _log.info("bit allocation: %s(%d layers); trying milp", dp_note, problem.n_layers)
+    from memctl.controller._milp import solve_milp
+
     rows = np.arange(problem.n_layers)
-    upper = float(f[rows, greedy].sum())
+    upper = float(f[rows, best].sum())
     core, _ = _greedy.lagrangian_core(f, g, cap, keep, upper, segs)
-    core[rows, greedy] = True  # the greedy answer stays feasible for the MILP
+    core[rows, best] = True  # the best answer so far stays feasible for the MILP
     left = time_limit_s - (time.perf_counter() - t0)
     if left <= 0:
-        return _fallback(problem, greedy, f"the {time_limit_s} s time limit was spent before the milp",
+        return _fallback(problem, best, best_solver,
+                         f"{dp_note}the {time_limit_s} s time limit was spent before the milp",
                          t0, level=logging.INFO)
     try:
-        out = solve_milp(f, g, cap, core, upper=upper, time_limit_s=left, mip_rel_gap=mip_rel_gap,
-                         presolve=presolve)
+        out_milp = solve_milp(f, g, cap, core, upper=upper, time_limit_s=left, mip_rel_gap=mip_rel_gap,
+                              presolve=presolve)
     except Exception as exc:  # any solver failure must not stop training
-        return _fallback(problem, greedy, f"milp raised {type(exc).__name__}: {exc}", t0)
-    if out.choice is None:
-        return _fallback(problem, greedy, f"milp status {out.status} without a solution ({out.message})",
-                         t0, level=logging.INFO if out.status == 1 else logging.WARNING)
-    if not out.success:
-        return _fallback(problem, greedy, f"milp status {out.status}, gap {out.mip_gap} ({out.message})",
-                         t0, incumbent=out.choice, level=logging.INFO if out.status == 1 else logging.WARNING)
+        return _fallback(problem, best, best_solver, f"{dp_note}milp raised {type(exc).__name__}: {exc}", t0)
+    if out_milp.choice is None:
+        return _fallback(problem, best, best_solver,
+                         f"{dp_note}milp status {out_milp.status} without a solution ({out_milp.message})",
+                         t0, level=logging.INFO if out_milp.status == 1 else logging.WARNING)
+    if not out_milp.success:
+        reason = f"milp status {out_milp.status}, gap {out_milp.mip_gap} ({out_milp.message})"
+        return _fallback(problem, best, best_solver, dp_note + reason, t0, incumbent=out_milp.choice,
+                         level=logging.INFO if out_milp.status == 1 else logging.WARNING)
     n_core = int(np.count_nonzero(core.sum(axis=1) > 1))
-    choice = out.choice
-    status = f"optimal ({out.message}; {n_core} of {problem.n_layers} layers left to the milp)"
-    if not problem.is_feasible(choice.tolist()):
-        choice = _greedy.repair(f, g, cap * (1.0 - 1e-12), choice)
+    status = f"{dp_note}optimal ({out_milp.message}; {n_core} of {problem.n_layers} layers left to the milp)"
+    choice, fits = _feasible_or_repaired(problem, out_milp.choice)
+    if choice is not out_milp.choice:
         status += "; repaired an overshoot within the solver's tolerance"
         _log.info("bit allocation: milp answer overshot the constraint by the solver tolerance; repaired")
-        if not problem.is_feasible(choice.tolist()):
-            return _fallback(problem, greedy, "milp answer infeasible and repair failed", t0)
-    if _objective_of(problem, greedy) < _objective_of(problem, choice):
-        # Possible within mip_rel_gap: the greedy answer is the better one, keep it.
-        choice, status = greedy, status + "; the greedy answer was better within the gap, kept it"
-    if out.solve_s > time_limit_s:
-        status += f"; took {out.solve_s:.3f} s, over the {time_limit_s} s limit"
-        _log.info("bit allocation: milp took %.3f s, over its %.3f s limit", out.solve_s, time_limit_s)
+    if not fits:
+        return _fallback(problem, best, best_solver, f"{dp_note}milp answer infeasible and repair failed", t0)
+    if _objective_of(problem, best) < _objective_of(problem, choice):
+        # Possible within mip_rel_gap: the answer so far is the better one, keep it.
+        choice = best
+        status += f"; the {best_solver.value} answer was better within the gap, kept it"
+    if out_milp.solve_s > time_limit_s:
+        status += f"; took {out_milp.solve_s:.3f} s, over the {time_limit_s} s limit"
+        _log.info("bit allocation: milp took %.3f s, over its %.3f s limit", out_milp.solve_s, time_limit_s)
     return _answer(problem, choice, Solver.MILP, status, t0)

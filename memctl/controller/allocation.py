@@ -4,13 +4,14 @@ The controller describes every layer by its sensitivity ``C_l`` (ActNN), the num
 values it saves per step and their uncompressed size. Compressing layer ``l`` at ``b``
 bits adds about ``C_l / (2^b - 1)^2`` to the gradient variance and costs the codec's
 packed size; keeping it costs its raw bytes and adds nothing. Choosing one option per
-layer is a multiple-choice knapsack, solved exactly with ``scipy.optimize.milp`` (HiGHS)
-with a convex-hull greedy as fallback (:mod:`memctl.controller._mckp`).
+layer is a multiple-choice knapsack, solved exactly by a dynamic program specialised to
+it (:mod:`memctl.controller._dp`) or with ``scipy.optimize.milp`` (HiGHS), with a
+convex-hull greedy as the last fallback (:mod:`memctl.controller._mckp`).
 
 Public API:
 
 * the generic knapsack: :class:`Problem`, :func:`solve`, :func:`solve_greedy`,
-  :class:`Allocation`, :class:`Objective`, :class:`Solver`;
+  :class:`Allocation`, :class:`Objective`, :class:`Method`, :class:`Solver`;
 * the controller's view: :class:`LayerSpec`, :func:`build_problem`, :func:`allocate`,
   :func:`uniform_bits`, :class:`LayerAllocation`, :data:`KEEP`.
 """
@@ -30,6 +31,7 @@ from memctl.controller._mckp import (
     DEFAULT_TIME_LIMIT_S,
     VARIANCE_RTOL,
     Allocation,
+    Method,
     Objective,
     Problem,
     Solver,
@@ -50,6 +52,7 @@ __all__ = [
     "LayerAllocation",
     "LayerInfo",
     "LayerSpec",
+    "Method",
     "Objective",
     "Problem",
     "SizeFn",
@@ -230,8 +233,9 @@ class LayerAllocation:
         return self.allocation.feasible
 
 
-def _solve_built(built: BuiltProblem, time_limit_s: float, mip_rel_gap: float) -> LayerAllocation:
-    answer = solve(built.problem, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap)
+def _solve_built(built: BuiltProblem, time_limit_s: float, mip_rel_gap: float,
+                 method: Method | str) -> LayerAllocation:
+    answer = solve(built.problem, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap, method=method)
     mapping = {name: built.bits[k] for name, k in zip(built.names, answer.choice, strict=True)}
     return LayerAllocation(MappingProxyType(mapping), answer, built)
 
@@ -247,6 +251,7 @@ def allocate(
     keep: bool = True,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     mip_rel_gap: float = DEFAULT_MIP_REL_GAP,
+    method: Method | str = Method.AUTO,
 ) -> LayerAllocation:
     """Bits per layer: least variance within ``budget_bytes``, or (``objective="bytes"``)
     fewest bytes within ``variance_bound``.
@@ -254,11 +259,11 @@ def allocate(
     Never raises for valid input: an infeasible problem comes back with
     ``feasible=False`` and every layer at its cheapest (VARIANCE) or most precise
     (BYTES) choice. See :func:`build_problem` for the arguments and :func:`solve` for
-    ``time_limit_s`` and ``mip_rel_gap``.
+    ``time_limit_s``, ``mip_rel_gap`` and ``method``.
     """
     built = build_problem(layers, budget_bytes, size_fn=size_fn, choices=choices, keep=keep,
                           objective=objective, variance_bound=variance_bound)
-    return _solve_built(built, time_limit_s, mip_rel_gap)
+    return _solve_built(built, time_limit_s, mip_rel_gap, method)
 
 
 def _interpolated_size(size_fn: SizeFn, numel: int, avg_bits: float, bits: tuple[int, ...],
@@ -281,6 +286,7 @@ def uniform_bits(
     keep: bool = True,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     mip_rel_gap: float = DEFAULT_MIP_REL_GAP,
+    method: Method | str = Method.AUTO,
 ) -> LayerAllocation:
     """Bits per layer for an average of ``avg_bits`` bits per value, placed by sensitivity.
 
@@ -310,4 +316,4 @@ def uniform_bits(
         budget += _interpolated_size(size_fn, numel, float(avg_bits), bits, name)
     # A budget of 0 (only empty layers) still has to be a valid Problem budget.
     built = build_problem(layers, max(budget, 1), size_fn=size_fn, choices=bits, keep=keep)
-    return _solve_built(built, time_limit_s, mip_rel_gap)
+    return _solve_built(built, time_limit_s, mip_rel_gap, method)

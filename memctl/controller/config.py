@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from memctl.controller._mckp import Objective
+from memctl.controller._mckp import Method, Objective
 from memctl.errors import ConfigError
 
 __all__ = ["KEEP_BITS", "CodecMode", "ControllerConfig", "Objective"]
@@ -48,7 +48,11 @@ class ControllerConfig:
         objective: :class:`Objective` of the allocation.
         variance_bound: for ``Objective.BYTES``, the bound on added variance relative to
             the gradient's own squared norm (AC-GC's allowed loss increase, as a fraction).
-        solver_time_limit_s: time limit of the MILP solver before the greedy fallback.
+        solver: how the allocation is searched (:class:`~memctl.controller.allocation.Method`):
+            ``"auto"``, the knapsack dynamic program with ``scipy.optimize.milp`` when it
+            stops early, or ``"milp"``, HiGHS alone.
+        solver_time_limit_s: time limit of the whole allocation solve; past it the best
+            answer found so far (at worst the greedy one) is used.
         ema_decay: decay of the exponential moving averages of layer statistics.
         margin_fraction: share of the device budget held back as a safety margin.
         min_batch_size, max_batch_size: limits of the recommended batch size.
@@ -68,6 +72,7 @@ class ControllerConfig:
     allocation_interval: int = 10
     objective: Objective = Objective.VARIANCE
     variance_bound: float = 0.01
+    solver: Method = Method.AUTO
     solver_time_limit_s: float = 0.05
     ema_decay: float = 0.9
     margin_fraction: float = 0.05
@@ -95,18 +100,8 @@ class ControllerConfig:
         _positive_int("group_size", self.group_size)
         if self.group_size % 8:
             raise ConfigError(f"group_size={self.group_size}: must be a multiple of 8 (e.g. 256)")
-        try:
-            object.__setattr__(self, "codec", CodecMode(self.codec))
-        except ValueError:
-            raise ConfigError(
-                f"codec={self.codec!r}: expected one of {[m.value for m in CodecMode]}"
-            ) from None
-        try:
-            object.__setattr__(self, "objective", Objective(self.objective))
-        except ValueError:
-            raise ConfigError(
-                f"objective={self.objective!r}: expected one of {[m.value for m in Objective]}"
-            ) from None
+        for name, kind in (("codec", CodecMode), ("objective", Objective), ("solver", Method)):
+            object.__setattr__(self, name, _member(name, getattr(self, name), kind))
         _positive_int("allocation_interval", self.allocation_interval)
         _positive_float("variance_bound", self.variance_bound)
         _positive_float("solver_time_limit_s", self.solver_time_limit_s)
@@ -127,6 +122,14 @@ class ControllerConfig:
                 f"monitor_interval_s={self.monitor_interval_s!r}: must be >= 0 (0 disables the monitor)"
             )
         _positive_int("monitor_history", self.monitor_history)
+
+
+def _member(name: str, value: object, kind: type[enum.Enum]) -> enum.Enum:
+    """``value`` as a member of the string enum ``kind`` (given as the member or its value)."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected one of {[m.value for m in kind]}") from None
 
 
 def _positive_int(name: str, value: object, *, zero_ok: bool = False) -> None:

@@ -114,7 +114,7 @@ def allocate(
     else:
         problem = allocation.Problem(int_bytes, var_rows, objective=Objective.VARIANCE,
                                      budget_bytes=max(int(capacity), 1))
-    result = allocation.solve(problem, time_limit_s=config.solver_time_limit_s)
+    result = allocation.solve(problem, time_limit_s=config.solver_time_limit_s, method=config.solver)
     bits = {s.name: float(choices[k]) for s, k in zip(layers, result.choice, strict=True)}
     error_bounds: dict[str, float] = {}
     if config.codec is CodecMode.ERRORBOUND:

@@ -1,4 +1,5 @@
-"""Bit allocation: MILP against brute force, the greedy fallback, the layer builder, validation."""
+"""Bit allocation: the dynamic program and the MILP against brute force, fallbacks, the layer
+builder, validation."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from memctl.controller import _greedy
 from memctl.controller.allocation import (
+    DEFAULT_MIP_REL_GAP,
     KEEP,
     VARIANCE_RTOL,
     Allocation,
@@ -115,20 +117,70 @@ def instance_needing_search(seed: int = 0) -> Problem:
 # --------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.parametrize(("method", "solver"), [("auto", Solver.DP), ("milp", Solver.MILP)])
 @pytest.mark.parametrize("chunk", range(4))
-def test_milp_matches_brute_force(chunk: int) -> None:
+def test_solvers_match_brute_force(chunk: int, method: str, solver: Solver) -> None:
     for seed, objective, kind in cases(1000)[chunk::4]:
         p = random_problem(np.random.default_rng(seed), kind, objective)
         best = brute_force(p)
-        a = solve(p)
+        a = solve(p, method=method, mip_rel_gap=0.0)
         check_answer(p, a)
         if best is None:
             assert not a.feasible, (seed, objective, a)
             assert a.solver is Solver.TRIVIAL
             continue
         assert a.feasible, (seed, objective, a)
-        assert a.solver in (Solver.MILP, Solver.TRIVIAL), a.status
+        assert a.solver in (solver, Solver.TRIVIAL), a.status
         assert abs(a.objective - best) <= 1e-9 * abs(best), (seed, objective, kind, a, best)
+
+
+def test_default_gap_holds_against_brute_force() -> None:
+    for seed, objective, kind in cases(300):
+        p = random_problem(np.random.default_rng(seed), kind, objective)
+        best = brute_force(p)
+        a = solve(p)
+        if best is not None:
+            assert a.feasible, (seed, a)
+            assert a.objective <= best + DEFAULT_MIP_REL_GAP * abs(a.objective), (seed, a, best)
+
+
+def network_problem(rng: np.random.Generator, objective: Objective) -> Problem:
+    """A 30-80 layer network: sizes and sensitivities spread, or repeated like a stack of blocks."""
+    n = int(rng.integers(30, 80))
+    numel = np.exp(rng.uniform(math.log(4096), math.log(1e6), n)).astype(int)
+    sens = 10.0 ** rng.uniform(-4, 2, n)
+    if rng.random() < 0.5:  # repeated blocks: a few distinct layers, many copies
+        numel, sens = numel[np.arange(n) % 4], sens[np.arange(n) % 4]
+    layers = [LayerSpec(f"l{i}", float(c), int(m), 4 * int(m))
+              for i, (c, m) in enumerate(zip(sens, numel, strict=True))]
+    budget = sum(packed(s.numel, 1) for s in layers)
+    budget += int(rng.uniform(0.05, 0.9) * sum(4 * s.numel - packed(s.numel, 1) for s in layers))
+    p = build_problem(layers, budget, size_fn=packed).problem
+    if objective is Objective.VARIANCE:
+        return p
+    bound = math.fsum(r[1] for r in p.variance) * rng.uniform(0.05, 1.0)
+    return Problem(p.nbytes, p.variance, Objective.BYTES, variance_bound=bound)
+
+
+@pytest.mark.parametrize("objective", list(Objective))
+def test_dynamic_program_matches_milp_on_networks(objective: Objective) -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(12):
+        p = network_problem(rng, objective)
+        dp = solve(p, mip_rel_gap=0.0, time_limit_s=30)
+        ref = solve(p, method="milp", mip_rel_gap=1e-9, time_limit_s=30)
+        assert dp.feasible and dp.solver in (Solver.DP, Solver.TRIVIAL), dp.status
+        assert dp.objective <= ref.objective * (1 + 1e-9), (dp.status, ref.status)
+        assert ref.objective <= dp.objective * (1 + 1e-7), (dp.status, ref.status)
+
+
+def test_gap_is_honoured() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(6):
+        p = network_problem(rng, Objective.VARIANCE)
+        exact = solve(p, mip_rel_gap=0.0, time_limit_s=30).objective
+        loose = solve(p, mip_rel_gap=1e-2, time_limit_s=30)
+        assert loose.feasible and exact <= loose.objective <= exact / (1 - 1e-2)
 
 
 @pytest.mark.parametrize("chunk", range(2))
@@ -182,7 +234,7 @@ def test_realistic_problem_is_feasible_and_no_worse_than_greedy() -> None:
     a, g = solve(p), solve_greedy(p)
     assert a.feasible and a.total_bytes <= budget
     assert a.objective <= g.objective
-    assert a.solver in (Solver.MILP, Solver.GREEDY)
+    assert a.solver in (Solver.DP, Solver.MILP, Solver.GREEDY)
 
 
 # --------------------------------------------------------------------------- fallback
@@ -238,7 +290,7 @@ def test_fallback_is_used_logged_and_feasible(
     expected = solve_greedy(p)
     calls = _fake_milp(monkeypatch, behave)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        a = solve(p)
+        a = solve(p, method="milp")
     assert calls, "the MILP was not called"
     assert a.solver is Solver.GREEDY
     assert a.feasible and a.total_bytes <= (p.budget_bytes or 0)
@@ -263,20 +315,42 @@ def test_time_limit_keeps_a_better_incumbent(monkeypatch: pytest.MonkeyPatch,
 
     _fake_milp(monkeypatch, stopped)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        a = solve(p)
+        a = solve(p, method="milp")
     assert a.solver is Solver.MILP and "incumbent" in a.status
     assert a.objective == pytest.approx(optimum.objective, rel=1e-9)
     assert a.objective < solve_greedy(p).objective
     assert any("Time limit reached" in r.getMessage() for r in caplog.records if r.name == LOGGER)
 
 
-def test_tiny_time_limit_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("method", ["auto", "milp"])
+def test_tiny_time_limit_falls_back(caplog: pytest.LogCaptureFixture, method: str) -> None:
     p = instance_needing_search()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        a = solve(p, time_limit_s=1e-9)
-    assert a.solver is Solver.GREEDY and a.feasible
-    assert "time limit" in a.status
+        a = solve(p, time_limit_s=1e-9, method=method)
+    assert a.solver in (Solver.GREEDY, Solver.DP) and a.feasible
+    assert "time limit" in a.status and "fallback" in a.status
+    assert a.objective <= solve_greedy(p).objective
     assert any(r.name == LOGGER for r in caplog.records)
+
+
+def test_dynamic_program_that_stops_early_hands_over_to_milp(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from memctl.controller import _dp
+
+    p = instance_needing_search()
+    optimum = solve(p, method="milp", mip_rel_gap=0.0)
+    monkeypatch.setattr(_dp, "MAX_STATES", 0)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        a = solve(p, mip_rel_gap=0.0)
+    assert a.solver is Solver.MILP and "state budget" in a.status, a.status
+    assert a.objective == pytest.approx(optimum.objective, rel=1e-9)
+    assert any("stopped early" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+    # ... and when milp then fails too, the best answer so far is kept.
+    _fake_milp(monkeypatch, _raise)
+    b = solve(p, mip_rel_gap=0.0)
+    assert b.solver in (Solver.DP, Solver.GREEDY) and b.feasible and "exploded" in b.status
+    assert b.objective <= solve_greedy(p).objective
 
 
 def test_solver_not_called_when_unconstrained_optimum_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -432,6 +506,8 @@ def test_solve_option_validation() -> None:
         solve(p, time_limit_s=0)
     with pytest.raises(ConfigError, match=r"mip_rel_gap = 1\.5"):
         solve(p, mip_rel_gap=1.5)
+    with pytest.raises(ConfigError, match=r"method = 'simplex'.*'auto'"):
+        solve(p, method="simplex")
 
 
 def test_layer_validation_names_the_value() -> None:

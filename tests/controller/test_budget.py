@@ -60,11 +60,13 @@ def _run(ctl: memctl.Controller, model: nn.Module, opt: torch.optim.Optimizer, s
     return sizes
 
 
-def test_activation_bytes_stay_within_new_budget_from_next_step() -> None:
+@pytest.mark.parametrize(("solver", "used_by"), [("auto", {"dp", "trivial"}), ("milp", {"milp", "trivial"})])
+def test_activation_bytes_stay_within_new_budget_from_next_step(solver: str, used_by: set[str]) -> None:
     torch.manual_seed(0)
     model = CNN(c=32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000,
+                            solver=solver)
     _run(ctl, model, opt, 2)
     static = ctl.stats()["static_bytes"]
     at_two_bits = ctl.stats()["packed_bytes"] + ctl.stats()["other_bytes"]
@@ -78,6 +80,7 @@ def test_activation_bytes_stay_within_new_budget_from_next_step() -> None:
         assert s["budget"] == target
         assert s["activation_budget_bytes"] is not None
         assert s["allocation"]["feasible"], s["allocation"]
+        assert s["allocation"]["solver"] in used_by, s["allocation"]
         used = _run(ctl, model, opt, 2)
         budget = ctl.stats()["activation_budget_bytes"]
         assert max(used) <= budget, (used, budget)

@@ -263,6 +263,8 @@ def test_bad_arguments_name_the_value() -> None:
         memctl.Controller(model, bits=3, bit_choices=(1, 2), monitor_interval_s=0)
     with pytest.raises(memctl.ConfigError, match="nonsense"):
         memctl.Controller(model, nonsense=1)
+    with pytest.raises(memctl.ConfigError, match=r"solver='simplex'.*'auto'"):
+        memctl.Controller(model, solver="simplex", monitor_interval_s=0)
     with pytest.raises(memctl.BudgetError, match="12XB"):
         memctl.Controller(model, budget="12XB")
     with pytest.raises(memctl.ConfigError, match="Module"):
