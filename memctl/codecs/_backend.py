@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +26,7 @@ from memctl.errors import CodecError, CudaUnavailableError
 
 __all__ = [
     "CUDA_EXTRA_HINT",
+    "CudaFallback",
     "cuda",
     "cuda_kernels_available",
     "cuda_simulated",
@@ -144,7 +146,7 @@ def is_cuda_compile_error(exc: BaseException) -> bool:
 def warn_cuda_fallback(codec: str, exc: BaseException) -> None:
     """Re-raise ``exc`` unless it is a CUDA compile failure; then warn (NOTE [ CUDA fallback ]).
 
-    The caller records the failure and runs its reference from then on.
+    :meth:`CudaFallback.run` calls it and runs the reference from then on.
     """
     if not is_cuda_compile_error(exc):
         raise exc
@@ -154,6 +156,36 @@ def warn_cuda_fallback(codec: str, exc: BaseException) -> None:
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+_T = TypeVar("_T")
+
+
+class CudaFallback:
+    """One codec instance's CUDA path (NOTE [ CUDA fallback ]): its kernels until they fail
+    to compile, then its PyTorch reference, with one warning.
+
+    Attributes:
+        codec: the codec's name, for the warning.
+        failed: whether the kernels failed to compile (the reference runs from then on).
+    """
+
+    def __init__(self, codec: str) -> None:
+        self.codec = codec
+        self.failed = False
+
+    def run(self, kernels: Callable[[], _T], reference: Callable[[], _T]) -> _T:
+        """``kernels()``, or ``reference()`` once they have failed to compile.
+
+        Any error other than a compile failure propagates (:func:`warn_cuda_fallback`).
+        """
+        if not self.failed:
+            try:
+                return kernels()
+            except Exception as exc:
+                warn_cuda_fallback(self.codec, exc)
+                self.failed = True
+        return reference()
 
 
 def require_tensor(t: object, codec: str) -> None:

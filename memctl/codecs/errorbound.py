@@ -56,9 +56,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -70,7 +69,6 @@ from memctl.errors import CodecError, ConfigError
 
 __all__ = ["ErrorBoundCodec", "bits_for_range"]
 
-_T = TypeVar("_T")
 _BUFFERS = ("mode", "offset", "payload", "qmin", "step")
 # One thread per group: small blocks spread the few threads over many SMs (and keep Numba's
 # low-occupancy warning, under 128 blocks, for tensors below 128 * 32 groups only).
@@ -100,13 +98,6 @@ def _check_bound(error_bound: object) -> float:
     return e
 
 
-@dataclass
-class _CudaFallback:
-    """Set once this codec's CUDA kernels failed to compile (NOTE [ CUDA fallback ] in _backend)."""
-
-    failed: bool = False
-
-
 @dataclass(frozen=True)
 class ErrorBoundCodec:
     """Error-bounded codec; see the module docstring for its guarantee and format.
@@ -117,7 +108,8 @@ class ErrorBoundCodec:
     """
 
     group_size: int = 256
-    _cuda: _CudaFallback = field(default_factory=_CudaFallback, init=False, repr=False, compare=False)
+    _cuda: _backend.CudaFallback = field(default_factory=lambda: _backend.CudaFallback("errorbound"),
+                                         init=False, repr=False, compare=False)
     name = "errorbound"
 
     def __post_init__(self) -> None:
@@ -168,7 +160,7 @@ class ErrorBoundCodec:
         elif chosen is Impl.CPU:
             buffers = _encode_cpu(x32, xraw, self.group_size, e, spec)
         else:
-            buffers = self._cuda_or_reference(
+            buffers = self._cuda.run(
                 functools.partial(_encode_cuda, x32, xraw, self.group_size, e, spec),
                 functools.partial(_reference.encode, x32, xraw, self.group_size, e, spec),
             )
@@ -194,21 +186,11 @@ class ErrorBoundCodec:
         elif chosen is Impl.CPU:
             out = _decode_cpu(buffers, n, group_size, spec)
         else:
-            out = self._cuda_or_reference(
+            out = self._cuda.run(
                 functools.partial(_decode_cuda, buffers, n, group_size, spec, p.device),
                 functools.partial(_reference.decode, buffers, n, group_size, spec),
             )
         return out.to(p.dtype).reshape(p.shape)
-
-    def _cuda_or_reference(self, kernels: Callable[[], _T], reference: Callable[[], _T]) -> _T:
-        """Run the CUDA kernels; after a compile failure, the reference (warning once per codec)."""
-        if not self._cuda.failed:
-            try:
-                return kernels()
-            except Exception as exc:
-                _backend.warn_cuda_fallback(self.name, exc)
-                self._cuda.failed = True
-        return reference()
 
 
 def _check_record(p: Packed) -> tuple[int, DtypeSpec]:

@@ -76,7 +76,7 @@ class LosslessCodec:
 
     def __init__(self) -> None:
         self.config = LosslessConfig()
-        self._cuda_failed = False  # NOTE [ CUDA fallback ] in _backend: warn once per codec
+        self._cuda = _backend.CudaFallback(_NAME)
 
     def __repr__(self) -> str:
         return "LosslessCodec()"
@@ -148,11 +148,8 @@ class LosslessCodec:
 
         if chosen is Impl.CPU:
             return _lossless_kernels.pack_cpu(mask)
-        if chosen is Impl.CUDA and not self._cuda_failed:
-            try:
-                return _lossless_kernels.pack_cuda(mask)
-            except Exception as exc:
-                self._cuda_fallback(exc)
+        if chosen is Impl.CUDA:
+            return self._cuda.run(lambda: _lossless_kernels.pack_cuda(mask), lambda: _pack_reference(mask))
         return _pack_reference(mask)
 
     def _unpack(self, chosen: Impl, payload: torch.Tensor, n: int) -> torch.Tensor:
@@ -160,16 +157,10 @@ class LosslessCodec:
 
         if chosen is Impl.CPU:
             return _lossless_kernels.unpack_cpu(payload, n)
-        if chosen is Impl.CUDA and not self._cuda_failed:
-            try:
-                return _lossless_kernels.unpack_cuda(payload, n)
-            except Exception as exc:
-                self._cuda_fallback(exc)
+        if chosen is Impl.CUDA:
+            return self._cuda.run(lambda: _lossless_kernels.unpack_cuda(payload, n),
+                                  lambda: _unpack_reference(payload, n))
         return _unpack_reference(payload, n)
-
-    def _cuda_fallback(self, exc: Exception) -> None:
-        _backend.warn_cuda_fallback(_NAME, exc)
-        self._cuda_failed = True
 
 
 def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

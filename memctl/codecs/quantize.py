@@ -217,7 +217,7 @@ class QuantizeCodec:
 
     def __init__(self, group_size: int = 256, bits: int = 2) -> None:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
-        self._cuda_failed = False  # NOTE [ CUDA fallback ] in _backend: warn once per codec
+        self._cuda = _backend.CudaFallback(_NAME)
 
     def __repr__(self) -> str:
         return f"QuantizeCodec(group_size={self.config.group_size}, bits={self.config.bits})"
@@ -270,20 +270,16 @@ class QuantizeCodec:
             from memctl.codecs import _quantize_kernels
 
             return _quantize_kernels.encode_cpu(flat, bits, group, seed)
-        if chosen is Impl.CUDA and not self._cuda_failed:
+
+        def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
+            payload, meta = _encode_reference(flat, bits, group, seed)
+            return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
+
+        if chosen is Impl.CUDA:
             from memctl.codecs import _quantize_kernels
 
-            try:
-                return _quantize_kernels.encode_cuda(flat, bits, group, seed)
-            except Exception as exc:
-                self._cuda_fallback(exc)
-        payload, meta = _encode_reference(flat, bits, group, seed)
-        return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
-
-    def _cuda_fallback(self, exc: Exception) -> None:
-        """Switch this codec to the reference on the GPU after a compile failure (warn once)."""
-        _backend.warn_cuda_fallback(_NAME, exc)
-        self._cuda_failed = True
+            return self._cuda.run(lambda: _quantize_kernels.encode_cuda(flat, bits, group, seed), reference)
+        return reference()
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
         """The tensor a record holds: original shape, dtype and device."""
@@ -305,13 +301,11 @@ class QuantizeCodec:
             from memctl.codecs import _quantize_kernels
 
             return _quantize_kernels.decode_cpu(payload, meta, bits, group, n)
-        if chosen is Impl.CUDA and not self._cuda_failed:
+        if chosen is Impl.CUDA:
             from memctl.codecs import _quantize_kernels
 
-            try:
-                return _quantize_kernels.decode_cuda(payload, meta, bits, group, n)
-            except Exception as exc:
-                self._cuda_fallback(exc)
+            return self._cuda.run(lambda: _quantize_kernels.decode_cuda(payload, meta, bits, group, n),
+                                  lambda: _decode_reference(payload, meta, bits, group, n))
         return _decode_reference(payload, meta, bits, group, n)
 
 

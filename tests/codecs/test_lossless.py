@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -176,3 +177,21 @@ def test_maxpool_indices_shrink_8x() -> None:
     p = LosslessCodec().encode(idx)
     assert p.nbytes == idx.numel() + 8 < idx.numel() * 8 // 7
     assert torch.equal(LosslessCodec().decode(p), idx)
+
+
+@pytest.mark.cudasim
+def test_cuda_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("libdevice not found (simulated)")
+
+    monkeypatch.setattr(_lossless_kernels, "pack_cuda", broken)
+    monkeypatch.setattr(_lossless_kernels, "unpack_cuda", broken)
+    codec = LosslessCodec()
+    mask = torch.arange(300) % 3 == 0
+    with pytest.warns(RuntimeWarning, match=r"memctl\[cuda12\]"):
+        p = codec.encode(mask, impl="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        back = codec.decode(p, impl="cuda")
+    assert p.to_bytes() == codec.encode(mask, impl="reference").to_bytes()
+    assert torch.equal(back, mask)
