@@ -8,7 +8,7 @@ gap. The caller checks every answer exactly against the unscaled problem.
 NOTE [ Expanding-core dynamic program ]
 The LP relaxation of the knapsack is solved by taking hull segments in order of falling
 ratio ``Δf / Δg`` up to the break segment, whose ratio ``λ`` is the price of ``g``
-(:func:`~memctl.controller._greedy.lp_price`). Rounding the break layer down gives an
+(:func:`~memctl.controller._greedy.lp_point`). Rounding the break layer down gives an
 integer assignment ``x̄`` in which every layer sits at a minimiser of ``f + λ g``. An
 optimal assignment usually differs from ``x̄`` in a handful of layers near the break,
 which is what Pisinger's algorithms for knapsack problems exploit (D. Pisinger, "A
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memctl.controller._greedy import BoolArray, FloatArray, IntArray, Segments, min_g_choice
+from memctl.controller._greedy import BoolArray, FloatArray, IntArray, Segments, lp_point
 
 __all__: list[str] = []
 
@@ -80,23 +80,6 @@ class DpOutcome:
     n_added: int
     n_fixed: int
     peak_states: int
-
-
-def _lp_point(f: FloatArray, g: FloatArray, cap: float, keep: BoolArray,
-              segs: Segments) -> tuple[IntArray, float, int]:
-    """``x̄`` (the LP solution with the break layer rounded down), ``λ`` and the break index."""
-    n = f.shape[0]
-    x = min_g_choice(f, g, keep)
-    room = cap - math.fsum(g[np.arange(n), x].tolist())
-    taken = int(np.searchsorted(np.cumsum(segs.dg), room, side="right"))
-    # Each layer ends at the destination of its last segment taken (its segments appear
-    # in hull order).
-    last = np.full(n, -1, dtype=np.intp)
-    np.maximum.at(last, segs.layer[:taken], np.arange(taken, dtype=np.intp))
-    moved = last >= 0
-    x[moved] = segs.dst[last[moved]]
-    price = float(segs.df[taken] / segs.dg[taken]) if taken < segs.dg.size else 0.0
-    return x, price, taken
 
 
 class _LpBound:
@@ -163,7 +146,7 @@ def solve_dp(
     max_recorded = MAX_RECORDED if max_recorded is None else max_recorded
     n = f.shape[0]
     rows = np.arange(n)
-    x, price, taken = _lp_point(f, g, cap, keep, segs)
+    x, price, taken = lp_point(f, g, cap, keep, segs)
     with np.errstate(invalid="ignore"):
         value = np.where(keep, f + price * g, np.inf)
     # Reduced cost of every other choice against x̄ (x̄ minimises f + λ g up to rounding).

@@ -138,26 +138,41 @@ def segments(f: FloatArray, g: FloatArray, keep: BoolArray) -> Segments:
     return Segments(layer[by], dst[by], dg[by], df[by])
 
 
-def lp_price(f: FloatArray, g: FloatArray, cap: float, keep: BoolArray,
-             segs: Segments) -> tuple[float, float]:
-    """The LP relaxation's optimum over ``keep`` and its price of g (the knapsack row's dual).
+def lp_point(f: FloatArray, g: FloatArray, cap: float, keep: BoolArray,
+             segs: Segments) -> tuple[IntArray, float, int]:
+    """The LP relaxation's integer part, its price of g, and how many segments it takes.
 
     The classical result for the multiple-choice knapsack (Sinha and Zoltners, 1979): from
     the least-g assignment take the hull segments in order of falling ``Δf / Δg``; the
-    first that does not fit is taken fractionally, and its ratio is the price.
+    first that does not fit (the break segment) is taken fractionally, and its ratio is the
+    price (0 when every segment fits). Returned: the assignment with the break segment left
+    out (every layer at a minimiser of ``f + price * g``), the price, and the index of the
+    break segment in ``segs``.
     """
+    n = f.shape[0]
+    x = min_g_choice(f, g, keep)
+    room = cap - math.fsum(g[_rows(n), x].tolist())
+    taken = int(np.searchsorted(np.cumsum(segs.dg), room, side="right"))
+    # Each layer ends at the destination of its last segment taken (its segments appear
+    # in hull order).
+    last = np.full(n, -1, dtype=np.intp)
+    np.maximum.at(last, segs.layer[:taken], np.arange(taken, dtype=np.intp))
+    moved = last >= 0
+    x[moved] = segs.dst[last[moved]]
+    price = float(segs.df[taken] / segs.dg[taken]) if taken < segs.dg.size else 0.0
+    return x, price, taken
+
+
+def lp_price(f: FloatArray, g: FloatArray, cap: float, keep: BoolArray,
+             segs: Segments) -> tuple[float, float]:
+    """The LP relaxation's optimum over ``keep`` and its price of g (the knapsack row's dual)."""
+    x, price, taken = lp_point(f, g, cap, keep, segs)
     rows = _rows(f.shape[0])
-    start = min_g_choice(f, g, keep)
-    value = float(f[rows, start].sum())
-    room = cap - float(g[rows, start].sum())
-    spent = np.cumsum(segs.dg)
-    full = int(np.searchsorted(spent, room, side="right"))
-    value -= float(segs.df[:full].sum())
-    if full == segs.dg.size:
-        return value, 0.0
-    before = float(spent[full - 1]) if full else 0.0
-    value -= float(segs.df[full]) * max(room - before, 0.0) / float(segs.dg[full])
-    return value, float(segs.df[full] / segs.dg[full])
+    value = float(f[rows, x].sum())
+    if taken < segs.dg.size:
+        room = cap - float(g[rows, x].sum())
+        value -= float(segs.df[taken]) * max(room, 0.0) / float(segs.dg[taken])
+    return value, price
 
 
 def lagrangian_core(f: FloatArray, g: FloatArray, cap: float, keep: BoolArray, upper: float,

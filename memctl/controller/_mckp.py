@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from memctl.controller import _greedy
+from memctl.controller._dp import solve_dp
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -307,16 +308,21 @@ def _trivial(problem: Problem, t0: float) -> Allocation | None:
     return None
 
 
+def _feasible_or_repaired(problem: Problem, choice: IntArray) -> tuple[IntArray, bool]:
+    """``choice``, or its repair when float rounding let it overshoot; and whether it fits."""
+    if problem.is_feasible(choice.tolist()):
+        return choice, True
+    repaired = _greedy.repair(problem._f, problem._g, problem.capacity * (1.0 - 1e-12), choice)
+    return repaired, problem.is_feasible(repaired.tolist())
+
+
 def _greedy_choice(problem: Problem, keep: BoolArray | None = None,
                    segs: _greedy.Segments | None = None) -> IntArray:
     """The convex-hull greedy's answer, repaired if float rounding let it overshoot."""
     f, g = problem._f, problem._g
     if keep is None:
         keep = _greedy.candidates(f, g, problem.capacity)
-    choice = _greedy.hull_greedy(f, g, problem.capacity, keep, segs)
-    if not problem.is_feasible(choice.tolist()):
-        choice = _greedy.repair(f, g, problem.capacity * (1.0 - 1e-12), choice)
-    return choice
+    return _feasible_or_repaired(problem, _greedy.hull_greedy(f, g, problem.capacity, keep, segs))[0]
 
 
 def solve_greedy(problem: Problem) -> Allocation:
@@ -352,14 +358,6 @@ def _fallback(problem: Problem, fallback: IntArray, fallback_solver: Solver, rea
         status = f"milp incumbent, better than the {fallback_solver.value} answer: {reason}"
     _log.log(level, "bit allocation: %s (%d layers)", status, problem.n_layers)
     return _answer(problem, choice, solver, status, t0)
-
-
-def _feasible_or_repaired(problem: Problem, choice: IntArray) -> tuple[IntArray, bool]:
-    """``choice``, or its repair when float rounding let it overshoot; and whether it fits."""
-    if problem.is_feasible(choice.tolist()):
-        return choice, True
-    repaired = _greedy.repair(problem._f, problem._g, problem.capacity * (1.0 - 1e-12), choice)
-    return repaired, problem.is_feasible(repaired.tolist())
 
 
 def solve(
@@ -411,8 +409,6 @@ def solve(
     best, best_solver = _greedy_choice(problem, keep, segs), Solver.GREEDY
     dp_note = ""
     if method is Method.AUTO:
-        from memctl.controller._dp import solve_dp
-
         out = solve_dp(f, g, cap, keep, segs, best, gap=mip_rel_gap, deadline=t0 + time_limit_s)
         choice, fits = _feasible_or_repaired(problem, out.choice)
         if fits and _objective_of(problem, choice) < _objective_of(problem, best):
