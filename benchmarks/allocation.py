@@ -28,8 +28,7 @@ import statistics
 
 import numpy as np
 
-from memctl.codecs.quantize import packed_nbytes
-from memctl.controller.allocation import (
+from memctl.allocation import (
     DEFAULT_MIP_REL_GAP,
     DEFAULT_TIME_LIMIT_S,
     LayerSpec,
@@ -39,6 +38,7 @@ from memctl.controller.allocation import (
     solve,
     solve_greedy,
 )
+from memctl.codecs.quantize.codec import packed_nbytes
 
 TARGET_MS = 20.0
 GROUP = 256

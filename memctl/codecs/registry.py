@@ -14,19 +14,19 @@ __all__ = ["decode", "get", "names"]
 
 
 def _quantize(**config: Any) -> Codec:
-    from memctl.codecs.quantize import QuantizeCodec
+    from memctl.codecs.quantize.codec import QuantizeCodec
 
     return QuantizeCodec(**config)
 
 
 def _errorbound(**config: Any) -> Codec:
-    from memctl.codecs.errorbound import ErrorBoundCodec
+    from memctl.codecs.errorbound.codec import ErrorBoundCodec
 
     return ErrorBoundCodec(**config)
 
 
 def _lossless(**config: Any) -> Codec:
-    from memctl.codecs.lossless import LosslessCodec
+    from memctl.codecs.lossless.codec import LosslessCodec
 
     return LosslessCodec(**config)
 

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from memctl.controller._mckp import Method, Objective
+from memctl.allocation.knapsack import Method, Objective
 from memctl.errors import ConfigError
 
 __all__ = ["KEEP_BITS", "CodecMode", "ControllerConfig", "Objective"]
@@ -48,7 +48,7 @@ class ControllerConfig:
         objective: :class:`Objective` of the allocation.
         variance_bound: for ``Objective.BYTES``, the bound on added variance relative to
             the gradient's own squared norm (AC-GC's allowed loss increase, as a fraction).
-        solver: how the allocation is searched (:class:`~memctl.controller.allocation.Method`):
+        solver: how the allocation is searched (:class:`~memctl.allocation.Method`):
             ``"auto"``, the knapsack dynamic program with ``scipy.optimize.milp`` when it
             stops early, or ``"milp"``, HiGHS alone.
         solver_time_limit_s: time limit of the whole allocation solve; past it the best

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memctl.controller import memory, policy
+from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
@@ -376,9 +376,7 @@ class Controller:
     def guarded_step(self, compute_loss: Callable[[Any], torch.Tensor], batch: Any, *,
                      max_splits: int = 6) -> float:
         """One optimizer step that splits the batch on out-of-memory (NOTE [ OOM guard ])."""
-        from memctl.controller.oom import guarded_step
-
-        return guarded_step(self, compute_loss, batch, max_splits=max_splits)
+        return oom.guarded_step(self, compute_loss, batch, max_splits=max_splits)
 
     def lower_batch_estimate(self, largest_ok: int) -> None:
         """Cap the batch size after an out-of-memory split (used by the OOM guard)."""

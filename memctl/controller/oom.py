@@ -13,18 +13,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from memctl.controller.config import ControllerConfig
 from memctl.errors import ConfigError, MemctlError
 
-if TYPE_CHECKING:
-    from memctl.controller.controller import Controller
-
-__all__ = ["guarded_step", "split_batch"]
+__all__ = ["GuardedController", "guarded_step", "split_batch"]
 
 _log = logging.getLogger("memctl.controller")
+
+
+class GuardedController(Protocol):
+    """What the guard needs of a controller (:class:`memctl.Controller` is one).
+
+    A protocol rather than an import, so this module does not depend on the controller
+    that calls it.
+    """
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def config(self) -> ControllerConfig: ...
+
+    def abort_step(self) -> None: ...
+
+    def lower_batch_estimate(self, largest_ok: int) -> None: ...
 
 
 def batch_length(batch: Any, dim: int = 0) -> int:
@@ -55,7 +71,7 @@ def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]:
 
 
 def guarded_step(
-    ctl: Controller,
+    ctl: GuardedController,
     compute_loss: Callable[[Any], torch.Tensor],
     batch: Any,
     *,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memctl.controller import allocation
+from memctl import allocation
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig, Objective
 from memctl.controller.stats import LayerState
 
@@ -48,7 +48,7 @@ def _choice_bytes(s: LayerState, bits: float, group_size: int) -> int:
     """Bytes layer ``s``'s controlled tensors take at ``bits`` (KEEP_BITS: uncompressed)."""
     if bits >= KEEP_BITS:
         return sum(s.numels) * s.element_size
-    from memctl.codecs.quantize import packed_nbytes
+    from memctl.codecs.quantize.codec import packed_nbytes
 
     return sum(packed_nbytes(n, int(bits), group_size) for n in s.numels) + s.mask_bytes
 

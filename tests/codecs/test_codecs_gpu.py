@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from memctl import codecs
-from memctl.codecs.lossless import LosslessCodec
-from memctl.codecs.quantize import QuantizeCodec
+from memctl.codecs.lossless.codec import LosslessCodec
+from memctl.codecs.quantize.codec import QuantizeCodec
 
 pytestmark = pytest.mark.gpu
 

@@ -29,7 +29,8 @@ _SCRIPT = textwrap.dedent(
     if not hasattr(dispatcher, "get_current_device"):
         print("numba-cuda internals moved: dispatcher.get_current_device"); sys.exit(3)
     dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
-    from memctl.codecs import _lossless_cuda, _quantize_cuda
+    from memctl.codecs.lossless import _cuda as _lossless_cuda
+    from memctl.codecs.quantize import _cuda as _quantize_cuda
 
     f32, u8 = types.Array(types.float32, 1, "C"), types.Array(types.uint8, 1, "C")
     meta, i32, i64 = types.Array(types.float32, 2, "C"), types.Array(types.int32, 1, "C"), types.int64

@@ -17,10 +17,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import memctl.codecs
-from memctl.codecs import _backend, _errorbound_kernels
-from memctl.codecs._errorbound_format import MODE_BITS, MODE_RAW, MODE_SPARSE
+from memctl.codecs import _backend
 from memctl.codecs.base import Packed
-from memctl.codecs.errorbound import ErrorBoundCodec, bits_for_range
+from memctl.codecs.errorbound import _kernels as _errorbound_kernels
+from memctl.codecs.errorbound._format import MODE_BITS, MODE_RAW, MODE_SPARSE
+from memctl.codecs.errorbound.codec import ErrorBoundCodec, bits_for_range
 from memctl.errors import CodecError, ConfigError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

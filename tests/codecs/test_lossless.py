@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memctl.codecs import _lossless_kernels, decode, get
+from memctl.codecs import decode, get
 from memctl.codecs.base import Packed
-from memctl.codecs.lossless import LosslessCodec
+from memctl.codecs.lossless import _kernels as _lossless_kernels
+from memctl.codecs.lossless.codec import LosslessCodec
 from memctl.errors import CodecError
 
 _DTYPES = (

@@ -13,9 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memctl.codecs import _quantize_kernels, _rng, decode, get, quantize
+from memctl.codecs import _rng, decode, get
 from memctl.codecs.base import Packed
-from memctl.codecs.quantize import QuantizeCodec, QuantizeConfig, packed_nbytes
+from memctl.codecs.quantize import _kernels as _quantize_kernels
+from memctl.codecs.quantize import _reference as quantize_reference
+from memctl.codecs.quantize.codec import QuantizeCodec, QuantizeConfig, packed_nbytes
 from memctl.errors import CodecError, ConfigError
 
 BITS = (1, 2, 4, 8)
@@ -127,7 +129,7 @@ def test_parallel_and_serial_cpu_kernels_match_reference(numel: int) -> None:
 
 
 def test_reference_in_small_chunks_writes_the_same_record(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(quantize, "_REF_CHUNK", 64)  # chunks of whole groups: 2 groups of 24
+    monkeypatch.setattr(quantize_reference, "_REF_CHUNK", 64)  # chunks of whole groups: 2 groups of 24
     x = torch.randn(1000)
     x[500] = math.nan
     codec = QuantizeCodec(group_size=24)

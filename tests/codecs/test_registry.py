@@ -7,8 +7,8 @@ import torch
 
 from memctl import codecs
 from memctl.codecs import Codec, Packed
-from memctl.codecs.lossless import LosslessCodec
-from memctl.codecs.quantize import QuantizeCodec
+from memctl.codecs.lossless.codec import LosslessCodec
+from memctl.codecs.quantize.codec import QuantizeCodec
 from memctl.errors import CodecError, ConfigError
 
 

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from memctl.controller import _greedy
-from memctl.controller.allocation import (
+from memctl.allocation import (
     DEFAULT_MIP_REL_GAP,
     KEEP,
     VARIANCE_RTOL,
@@ -21,6 +20,7 @@ from memctl.controller.allocation import (
     Objective,
     Problem,
     Solver,
+    _greedy,
     allocate,
     build_problem,
     solve,
@@ -336,7 +336,7 @@ def test_tiny_time_limit_falls_back(caplog: pytest.LogCaptureFixture, method: st
 def test_dynamic_program_that_stops_early_hands_over_to_milp(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from memctl.controller import _dp
+    from memctl.allocation import _dp
 
     p = instance_needing_search()
     optimum = solve(p, method="milp", mip_rel_gap=0.0)

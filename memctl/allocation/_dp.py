@@ -1,6 +1,6 @@
 """An exact dynamic program for the multiple-choice knapsack, specialised to its LP structure.
 
-Works on the canonical form of :mod:`memctl.controller._greedy` (minimise ``Σ f`` subject to
+Works on the canonical form of :mod:`memctl.allocation._greedy` (minimise ``Σ f`` subject to
 ``Σ g <= cap``, one choice per layer) and returns the best assignment it found and whether
 the search finished, i.e. whether that assignment is proven optimal within the requested
 gap. The caller checks every answer exactly against the unscaled problem.
@@ -8,7 +8,7 @@ gap. The caller checks every answer exactly against the unscaled problem.
 NOTE [ Expanding-core dynamic program ]
 The LP relaxation of the knapsack is solved by taking hull segments in order of falling
 ratio ``Δf / Δg`` up to the break segment, whose ratio ``λ`` is the price of ``g``
-(:func:`~memctl.controller._greedy.lp_point`). Rounding the break layer down gives an
+(:func:`~memctl.allocation._greedy.lp_point`). Rounding the break layer down gives an
 integer assignment ``x̄`` in which every layer sits at a minimiser of ``f + λ g``. An
 optimal assignment usually differs from ``x̄`` in a handful of layers near the break,
 which is what Pisinger's algorithms for knapsack problems exploit (D. Pisinger, "A
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memctl.controller._greedy import BoolArray, FloatArray, IntArray, Segments, lp_point
+from memctl.allocation._greedy import BoolArray, FloatArray, IntArray, Segments, lp_point
 
 __all__: list[str] = []
 
@@ -135,7 +135,7 @@ def solve_dp(
 ) -> DpOutcome:
     """Search for the optimum of the canonical problem over the choices in ``keep``.
 
-    ``segs`` are the hull segments of ``keep`` (:func:`~memctl.controller._greedy.segments`);
+    ``segs`` are the hull segments of ``keep`` (:func:`~memctl.allocation._greedy.segments`);
     ``upper_choice`` is a feasible assignment (the greedy answer), the first incumbent.
     ``gap`` is the accepted distance from the optimum relative to the objective (states
     whose bound is within it of the incumbent are dropped); ``deadline`` is a

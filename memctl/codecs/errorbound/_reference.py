@@ -1,7 +1,7 @@
 """The ``errorbound`` codec in plain PyTorch: the readable definition of the format.
 
 Vectorised over groups, on whatever device the input lives. The Numba kernels in
-:mod:`memctl.codecs._errorbound_kernels` must write the same bytes; see NOTE
+:mod:`memctl.codecs.errorbound._kernels` must write the same bytes; see NOTE
 [ errorbound format ] and NOTE [ errorbound arithmetic ] in :mod:`memctl.codecs.errorbound`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memctl.codecs._errorbound_format import (
+from memctl.codecs.errorbound._format import (
     EG_CLAMP,
     FLT_MAX,
     MAX_BITS,

@@ -1,6 +1,6 @@
 """The multiple-choice knapsack as a ``scipy.optimize.milp`` (HiGHS) model.
 
-Works on the canonical form of :mod:`memctl.controller._greedy` (minimise ``Σ f`` subject
+Works on the canonical form of :mod:`memctl.allocation._greedy` (minimise ``Σ f`` subject
 to ``Σ g <= cap``, one choice per layer) and returns the raw choice per layer; the caller
 checks feasibility exactly and decides what to do with a failure. SciPy is imported on
 first use, never at import time.
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from memctl.controller._greedy import BoolArray, FloatArray, IntArray, lp_price, min_g_choice, segments
+from memctl.allocation._greedy import BoolArray, FloatArray, IntArray, lp_price, min_g_choice, segments
 
 __all__: list[str] = []
 
@@ -78,8 +78,8 @@ def solve_milp(
     """Solve the canonical problem with ``scipy.optimize.milp``; may raise what milp raises.
 
     Only the choices in ``keep`` get variables; ``keep`` must hold each layer's least-g
-    choice and no dominated one (:func:`~memctl.controller._greedy.candidates`, possibly
-    narrowed by :func:`~memctl.controller._greedy.lagrangian_core`). A layer with one
+    choice and no dominated one (:func:`~memctl.allocation._greedy.candidates`, possibly
+    narrowed by :func:`~memctl.allocation._greedy.lagrangian_core`). A layer with one
     choice left is fixed and gets no variable. ``upper`` is the objective of a known
     feasible answer (for the gap conversion).
     """

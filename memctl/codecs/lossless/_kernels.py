@@ -97,7 +97,7 @@ def unpack_cpu(payload: torch.Tensor, n: int) -> torch.Tensor:
 def cuda_kernels() -> Any:
     """The module of CUDA kernels (imports ``numba.cuda``; kernels compile on first launch)."""
     _backend.cuda()
-    from memctl.codecs import _lossless_cuda
+    from memctl.codecs.lossless import _cuda as _lossless_cuda
 
     return _lossless_cuda
 

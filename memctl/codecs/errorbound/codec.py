@@ -62,9 +62,9 @@ from dataclasses import dataclass, field
 import torch
 
 from memctl.codecs import _backend
-from memctl.codecs import _errorbound_reference as _reference
-from memctl.codecs._errorbound_format import DtypeSpec, dtype_spec
 from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
+from memctl.codecs.errorbound import _reference
+from memctl.codecs.errorbound._format import DtypeSpec, dtype_spec
 from memctl.errors import CodecError, ConfigError
 
 __all__ = ["ErrorBoundCodec", "bits_for_range"]
@@ -250,7 +250,7 @@ def _offsets(size: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _encode_cpu(
     x32: torch.Tensor, xraw: torch.Tensor, group_size: int, e: float, spec: DtypeSpec
 ) -> dict[str, torch.Tensor]:
-    from memctl.codecs._errorbound_kernels import cpu_kernels
+    from memctl.codecs.errorbound._kernels import cpu_kernels
 
     kernels = cpu_kernels()
     n = x32.numel()
@@ -271,7 +271,7 @@ def _encode_cpu(
 def _decode_cpu(
     buffers: Mapping[str, torch.Tensor], n: int, group_size: int, spec: DtypeSpec
 ) -> torch.Tensor:
-    from memctl.codecs._errorbound_kernels import cpu_kernels
+    from memctl.codecs.errorbound._kernels import cpu_kernels
 
     arrays = {k: buffers[k].contiguous().numpy() for k in _BUFFERS}
     out = torch.empty(n, dtype=torch.float32)
@@ -291,7 +291,7 @@ def _launch(count: int, threads: int) -> tuple[int, int]:
 def _encode_cuda(
     x32: torch.Tensor, xraw: torch.Tensor, group_size: int, e: float, spec: DtypeSpec
 ) -> dict[str, torch.Tensor]:
-    from memctl.codecs._errorbound_kernels import cuda_kernels
+    from memctl.codecs.errorbound._kernels import cuda_kernels
 
     kernels = cuda_kernels()
     device = x32.device
@@ -323,7 +323,7 @@ def _encode_cuda(
 def _decode_cuda(
     buffers: Mapping[str, torch.Tensor], n: int, group_size: int, spec: DtypeSpec, device: torch.device
 ) -> torch.Tensor:
-    from memctl.codecs._errorbound_kernels import cuda_kernels
+    from memctl.codecs.errorbound._kernels import cuda_kernels
 
     kernels = cuda_kernels()
     payload = buffers["payload"]

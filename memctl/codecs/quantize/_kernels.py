@@ -271,7 +271,7 @@ def decode_cpu(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int,
 def cuda_kernels() -> Any:
     """The module of CUDA kernels (imports ``numba.cuda``; kernels compile on first launch)."""
     _backend.cuda()  # a CudaUnavailableError with the fix if numba.cuda cannot be imported
-    from memctl.codecs import _quantize_cuda
+    from memctl.codecs.quantize import _cuda as _quantize_cuda
 
     return _quantize_cuda
 

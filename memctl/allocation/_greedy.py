@@ -1,11 +1,11 @@
 """Array helpers for the multiple-choice knapsack: dominance, convex hulls, greedy, bounds.
 
 Every function works on one canonical form (see NOTE [ One greedy for both objectives ] in
-:mod:`memctl.controller._mckp`): minimise ``Σ_l f[l, c_l]`` subject to
+:mod:`memctl.allocation.knapsack`): minimise ``Σ_l f[l, c_l]`` subject to
 ``Σ_l g[l, c_l] <= cap``, exactly one choice ``c_l`` per layer. ``f`` and ``g`` are
 ``(L, K)`` float64 arrays; a layer with fewer than ``K`` choices pads its row with ``inf``
 in both. A ``keep`` mask restricts the choices considered; it always holds each layer's
-least-g choice. Nothing here validates input: :class:`~memctl.controller._mckp.Problem`
+least-g choice. Nothing here validates input: :class:`~memctl.allocation.knapsack.Problem`
 does, and the caller checks every answer exactly.
 """
 

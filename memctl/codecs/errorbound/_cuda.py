@@ -1,7 +1,7 @@
 """Numba-CUDA kernels of the ``errorbound`` codec.
 
 Importing this module imports ``numba.cuda`` and, on a real GPU, compiles the kernels:
-only :func:`memctl.codecs._errorbound_kernels.cuda_kernels` imports it, on first use.
+only :func:`memctl.codecs.errorbound._kernels.cuda_kernels` imports it, on first use.
 ``cuda`` must be a module global here: the CUDA simulator swaps the module globals of a
 kernel that are ``numba.cuda`` for its fake module (NOTE [ CUDA simulator ]).
 The per-group steps are shared with the CPU kernels (:func:`make_group_ops`); see NOTE
@@ -14,7 +14,7 @@ from typing import Any
 
 from numba import cuda as _numba_cuda
 
-from memctl.codecs._errorbound_kernels import cuda_signatures, make_group_ops
+from memctl.codecs.errorbound._ops import cuda_signatures, make_group_ops
 
 __all__ = ["pack", "plan", "unpack"]
 

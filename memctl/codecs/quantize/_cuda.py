@@ -1,7 +1,7 @@
 """CUDA kernels of the ``quantize`` codec (see NOTE [ Quantize CUDA kernels ] in ``_quantize_kernels``).
 
 This module imports ``numba.cuda`` at its top, so it is imported only on first use (by
-:func:`memctl.codecs._quantize_kernels.cuda_kernels`); the kernels refer to ``cuda`` as a
+:func:`memctl.codecs.quantize._kernels.cuda_kernels`); the kernels refer to ``cuda`` as a
 module global, which is what Numba's simulator swaps for its fake module. Decorating
 compiles nothing: each kernel compiles on its first launch.
 """

@@ -23,6 +23,7 @@ import torch
 
 from memctl.codecs import _backend, _rng
 from memctl.codecs.base import Impl, Packed
+from memctl.codecs.lossless import _reference
 from memctl.errors import CodecError
 
 __all__ = ["LosslessCodec", "LosslessConfig"]
@@ -42,28 +43,11 @@ _NARROW: dict[torch.dtype, tuple[tuple[int, torch.dtype], ...]] = {
 _MIN_NARROW_NUMEL = 64
 
 _NAME = "lossless"
-_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
 class LosslessConfig:
     """Configuration of :class:`LosslessCodec`: it has no options (kept for a uniform API)."""
-
-
-def _pack_reference(mask: torch.Tensor) -> torch.Tensor:
-    """Readable PyTorch bit-packing of a 1-D bool tensor."""
-    n = mask.numel()
-    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=mask.device)
-    padded[:n] = mask.to(torch.uint8)
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int32, device=mask.device)
-    return (padded.reshape(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
-
-
-def _unpack_reference(payload: torch.Tensor, n: int) -> torch.Tensor:
-    """Readable PyTorch unpacking: the first ``n`` bits of ``payload`` as bools."""
-    shifts = torch.arange(8, dtype=torch.int32, device=payload.device)
-    bits = (payload.to(torch.int32)[:, None] >> shifts) & 1
-    return bits.reshape(-1)[:n].to(torch.bool)
 
 
 class LosslessCodec:
@@ -144,23 +128,23 @@ class LosslessCodec:
         return flat.reshape(p.shape).to(p.device)
 
     def _pack(self, chosen: Impl, mask: torch.Tensor) -> torch.Tensor:
-        from memctl.codecs import _lossless_kernels
+        from memctl.codecs.lossless import _kernels as _lossless_kernels
 
         if chosen is Impl.CPU:
             return _lossless_kernels.pack_cpu(mask)
         if chosen is Impl.CUDA:
-            return self._cuda.run(lambda: _lossless_kernels.pack_cuda(mask), lambda: _pack_reference(mask))
-        return _pack_reference(mask)
+            return self._cuda.run(lambda: _lossless_kernels.pack_cuda(mask), lambda: _reference.pack(mask))
+        return _reference.pack(mask)
 
     def _unpack(self, chosen: Impl, payload: torch.Tensor, n: int) -> torch.Tensor:
-        from memctl.codecs import _lossless_kernels
+        from memctl.codecs.lossless import _kernels as _lossless_kernels
 
         if chosen is Impl.CPU:
             return _lossless_kernels.unpack_cpu(payload, n)
         if chosen is Impl.CUDA:
             return self._cuda.run(lambda: _lossless_kernels.unpack_cuda(payload, n),
-                                  lambda: _unpack_reference(payload, n))
-        return _unpack_reference(payload, n)
+                                  lambda: _reference.unpack(payload, n))
+        return _reference.unpack(payload, n)
 
 
 def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

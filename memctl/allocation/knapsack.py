@@ -10,7 +10,7 @@ to the gradient variance (DESIGN.md §4). Two modes:
 :func:`solve` answers a :class:`Problem` with an :class:`Allocation`; it never raises for
 a well-formed problem (an infeasible one comes back marked ``feasible=False``). The
 controller builds its problem from per-layer statistics with
-:func:`memctl.controller.allocation.build_problem`; the public names of this module are
+:func:`memctl.allocation.build_problem`; the public names of this module are
 re-exported there.
 
 NOTE [ One greedy for both objectives ]
@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memctl.controller import _greedy
-from memctl.controller._dp import solve_dp
+from memctl.allocation import _greedy
+from memctl.allocation._dp import solve_dp
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from memctl.controller._greedy import BoolArray, FloatArray, IntArray
+    from memctl.allocation._greedy import BoolArray, FloatArray, IntArray
 
 __all__ = [
     "DEFAULT_MIP_REL_GAP",
@@ -61,7 +61,7 @@ _log = logging.getLogger("memctl.allocation")
 # (benchmarks/allocation.py, 2-core CPU) a proven optimum took a median of ~105 ms, the
 # root node alone ~75 ms, and even a 20-layer core left by the reductions took HiGHS
 # ~30 ms. The knapsack's own structure does better: the dynamic program of
-# NOTE [ Expanding-core dynamic program ] (in memctl.controller._dp) proves the same
+# NOTE [ Expanding-core dynamic program ] (in memctl.allocation._dp) proves the same
 # optima in a median of ~6 ms (p95 ~10 ms). So `solve` runs the dynamic program first and hands over
 # to milp only when it stops early (its state budget or the deadline), with the best
 # answer so far as milp's bound; milp stays the general solver, and the tests compare the
@@ -372,11 +372,11 @@ def solve(
 
     The convex-hull greedy runs first: its answer is the first incumbent and the last
     fallback. With ``method="auto"`` the dynamic program of
-    :mod:`memctl.controller._dp` searches for the optimum (NOTE [ Solver defaults ]); when
+    :mod:`memctl.allocation._dp` searches for the optimum (NOTE [ Solver defaults ]); when
     it finishes, its answer is optimal within ``mip_rel_gap``. When it stops early (its
     state budget or the time limit) or with ``method="milp"``, ``scipy.optimize.milp``
     (HiGHS) solves the model left after reduced-cost fixing against the best answer so
-    far (NOTE [ Reduced-cost fixing ] in :mod:`memctl.controller._greedy`).
+    far (NOTE [ Reduced-cost fixing ] in :mod:`memctl.allocation._greedy`).
 
     Args:
         problem: the validated knapsack.
@@ -421,7 +421,7 @@ def solve(
                            f"optimal within {mip_rel_gap:g} (dynamic program: {summary}){repaired}", t0)
         dp_note = f"dynamic program stopped early ({out.reason}; {summary}); "
         _log.info("bit allocation: %s(%d layers); trying milp", dp_note, problem.n_layers)
-    from memctl.controller._milp import solve_milp
+    from memctl.allocation._milp import solve_milp
 
     rows = np.arange(problem.n_layers)
     upper = float(f[rows, best].sum())
