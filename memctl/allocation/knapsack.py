@@ -2,7 +2,7 @@
 
 Every layer picks exactly one of its choices (a bit width, or keeping the tensor as it
 is); choice ``k`` of layer ``l`` costs ``nbytes[l][k]`` bytes and adds ``variance[l][k]``
-to the gradient variance (DESIGN.md §4). Two modes:
+to the gradient variance (docs/design.md, "The problem"). Two modes:
 
 * :attr:`Objective.VARIANCE` (ActNN): minimise total variance, total bytes <= a budget;
 * :attr:`Objective.BYTES` (AC-GC): minimise total bytes, total variance <= a bound.

@@ -48,7 +48,7 @@ __all__ = [
 KEEP: Final = 32
 #: The largest bit width a choice may name (below :data:`KEEP`, so the two never clash).
 MAX_BITS: Final = 16
-#: Bit widths offered when the caller gives none (ActNN's set, DESIGN.md §4).
+#: Bit widths offered when the caller gives none (ActNN's set, docs/design.md, "The allocation").
 DEFAULT_CHOICES: Final = (1, 2, 4, 8)
 
 #: ``size_fn(numel, bits) -> bytes``: the exact packed size of ``numel`` values at ``bits``.
@@ -161,7 +161,7 @@ def build_problem(
     objective: Objective | str = Objective.VARIANCE,
     variance_bound: float | None = None,
 ) -> BuiltProblem:
-    """The knapsack for ``layers`` (ActNN's mixed-precision problem, DESIGN.md §4).
+    """The knapsack for ``layers`` (ActNN's mixed-precision problem, docs/design.md, "The problem").
 
     For each layer and bit width ``b`` in ``choices``: bytes ``size_fn(numel, b)`` (the
     controller passes the quantize codec's exact packed size) and variance

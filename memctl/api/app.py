@@ -53,6 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 # (so curl's default form content type works and a bad body is a 422 with a sentence,
 # not a 400 from the framework), and budgets go through parse_budget before the view.
 # Anything unexpected becomes a JSON 500 in _GuardMiddleware, never a dropped connection.
+# The status codes a client sees: docs/api.md, "Errors".
 
 # NOTE [ Cheap reads ]
 # Polling must not slow training. The read handlers are ``async`` (no thread hand-off per

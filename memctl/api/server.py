@@ -29,6 +29,7 @@ _TOKEN_ENV = "MEMCTL_TOKEN"
 # free port that is only known once bound — it is read back from the listening socket. Training code that
 # holds the GIL in long Python loops delays answers by tens of milliseconds; NumPy and
 # PyTorch kernels release it.
+# The threads of a serving controller: docs/design.md, "Threading model".
 
 
 class ServerHandle:

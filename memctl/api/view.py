@@ -3,6 +3,8 @@
 The service only calls these four methods; it never touches CUDA, the model or the
 controller's internals. :class:`StaticView` is an in-memory implementation for tests,
 documentation and demos.
+
+The HTTP contract built on this view: docs/api.md.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class ControllerView(Protocol):
           ``None`` in error-bound mode or when kept uncompressed), ``error_bound``
           (float | None, absolute error bound in error-bound mode), ``raw_bytes`` (int),
           ``packed_bytes`` (int), ``sensitivity`` (float, the layer's gradient-variance
-          weight C_l, DESIGN.md §4).
+          weight C_l, docs/design.md, "Sensitivity").
         - ``memory`` (Mapping | None): the latest monitor sample,
           :meth:`memctl.monitor.MemorySample.to_dict`, or ``None`` before the first.
         """

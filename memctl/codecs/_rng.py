@@ -21,6 +21,7 @@ the kernels compute it once per group and spend one ``lowbias32`` per value. Eve
 implementation works on unsigned 64-bit (PyTorch: signed 64-bit) integers holding
 32-bit values and masks after each multiplication, so no arithmetic overflows (in the
 CUDA simulator, NumPy's 32-bit scalars would warn on overflow).
+See docs/formats.md, "Random bits".
 """
 
 from __future__ import annotations

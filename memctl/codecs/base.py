@@ -8,6 +8,7 @@ Every record's buffers live on the input's device; ``Packed.nbytes`` is the sum 
 their real sizes, so the byte counts the controller reports are measured, not modelled.
 Each codec has three implementations (:class:`Impl`) that write byte-identical buffers
 for the same input, arguments and seed.
+Every codec's record format, buffer by buffer: docs/formats.md, "Packed records".
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ class CodecMode(str, enum.Enum):
     ``QUANTIZE``: ActNN-style stochastic quantisation at the layer's bits (unbiased).
     ``ERRORBOUND``: COMET-style deterministic quantisation within the layer's absolute
     error bound; the bound is derived from the bits the allocation picks and the
-    layer's typical group range (DESIGN.md §4: e = R / (2 (2^b - 1))).
+    layer's typical group range (e = R / (2 (2^b - 1)), docs/design.md, "Bits and error bounds").
     """
 
     QUANTIZE = "quantize"

@@ -10,6 +10,7 @@ into per-layer EMAs, measure static memory, apply a budget queued from any threa
 re-solve the allocation every ``allocation_interval`` steps or at once after a budget
 change, recompute the batch size and publish an immutable snapshot for readers (the
 HTTP API). Nothing in the hot path waits on a reader.
+The whole step, and what each part reads and writes: docs/design.md, "One training step".
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Every submodule gets a forward pre-hook that pushes its name and a forward hook 
 module running. Under ``torch.compile`` the module hooks are traced away (they return at
 once while compiling) and packing happens after the compiled forward: tensors land in the
 root entry and the controller reports attribution as lost instead of failing.
+
+Both in the context of a whole step: docs/design.md, "One training step".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 NOTE [ Static memory ]
 The budget is a device-memory target T. What is not activations (parameters, gradients,
 optimizer state, allocator workspace) is static memory S, and the activation budget is
-A = T − S − margin (DESIGN.md §4). S is measured at each step boundary from the tensors
+A = T − S − margin (docs/design.md, "Terms"). S is measured at each step boundary from the tensors
 themselves — parameters, their gradients, buffers and the optimizer's state, each
 storage counted once — which works the same on the CPU (the process's own accounting)
 and on a GPU. On a GPU the allocator's peak of the step is read as well; whatever it

@@ -7,6 +7,7 @@ many micro-batches and retries, accumulating gradients with each micro-batch's l
 weighted by its share of the batch, so the optimizer step sees the gradient of the whole
 batch (for a loss that is a mean over samples). The controller then caps its batch size
 at the largest micro-batch that fitted, and the event is recorded.
+See docs/design.md, "The OOM guard".
 """
 
 from __future__ import annotations

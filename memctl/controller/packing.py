@@ -14,7 +14,7 @@ NOTE [ What is compressed ]
 - Every other float tensor is compressed at its layer's bits (or error bound).
 A copy is always taken: with saved-tensor hooks active, autograd no longer detects
 in-place modification of a saved tensor, so keeping the original object would give
-silently wrong gradients after an in-place op (DESIGN.md §5).
+silently wrong gradients after an in-place op (docs/design.md, "Pack: what is compressed").
 
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
@@ -35,6 +35,8 @@ layer, which reads the quantised values (ActNN keeps such a mask too).
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
 logged (a warning the first time per layer), and training goes on.
+
+These rules in the context of a whole step: docs/design.md, "Pack: what is compressed".
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ bytes and adds nothing. With a budget A, the bytes the allocation does not contr
 knapsack's capacity. Without a budget the capacity is what every layer would take at the
 configured average bits (interpolated between neighbouring choices), with "keep"
 excluded, so the average holds while sensitive layers get more bits than others.
+The objectives and solvers: docs/design.md, "The allocation".
 """
 
 from __future__ import annotations

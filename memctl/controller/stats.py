@@ -14,6 +14,7 @@ are not observable without per-sample gradients, so we take Σ_n a_n b_n ≈ (Σ
 with ‖∇Y‖² from a hook on the module's output gradient and Σ_g R_g² from the quantiser's
 own group metadata, each smoothed by an EMA over steps. A layer whose output gradient is
 not observed (a functional op at the root, the loss) borrows the median ‖∇Y‖² of the rest.
+See docs/design.md, "Sensitivity".
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ __all__ = ["fallback_reader", "reader_chain", "select_reader"]
 # (no pynvml, no driver, NVMLError_LibraryNotFound, a MIG device) is reported in ONE
 # RuntimeWarning per fallback and never raised. The same chain serves the Sampler when a
 # reader fails mid-run (a GPU falling off the bus): it moves to the next reader.
+# The monitor among the controller's threads: docs/design.md, "Threading model".
 
 
 def reader_chain(device: torch.device | str, *, prefer_nvml: bool = True) -> tuple[ReaderKind, ...]:

@@ -50,6 +50,8 @@ Every float operation is a single IEEE-754 operation in a fixed precision (no
 multiply-add pairs that a compiler could contract into an FMA, no fast-math, no
 reciprocal), so the reference, the Numba CPU kernel and the Numba-CUDA kernel write
 byte-identical records.
+
+The three codecs' formats side by side: docs/formats.md, "errorbound".
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ _VALUE_THREADS = 256
 def bits_for_range(value_range: float, error_bound: float) -> int:
     """Bits per value that a group of range R needs at absolute bound e: ceil(log2(R / (2e) + 1)).
 
-    Deterministic rounding with step 2e keeps |x̂ - x| <= e (DESIGN.md §4).
+    Deterministic rounding with step 2e keeps |x̂ - x| <= e (docs/design.md, "Bits and error bounds").
     """
     if not (math.isfinite(value_range) and value_range >= 0.0):
         raise ConfigError(f"value_range={value_range!r} must be a finite number >= 0 (max - min of a group)")

@@ -4,7 +4,7 @@ Byte ``k`` of the payload holds values ``8k .. 8k+7``, value ``8k + j`` in bit `
 (LSB first); the bits past the last value are 0. The CPU kernel is a ``prange`` over
 output bytes (compiled a second time without ``parallel`` for masks below
 ``SERIAL_BELOW`` values, where a parallel launch costs more than the work). The CUDA
-kernels (in ``_lossless_cuda``, imported on first use) run one thread per output byte to
+kernels (in ``_cuda``, imported on first use) run one thread per output byte to
 pack and one thread per value to unpack, on PyTorch's current stream. Nothing here
 imports Numba before a kernel is first asked for.
 """

@@ -13,6 +13,8 @@ Format: one uint8 buffer ``payload``.
 The record is always a copy: modifying the tensor after ``encode`` (autograd no longer
 detects in-place changes of a saved tensor once hooks are active) leaves the record as it
 was, and ``decode`` returns a fresh tensor, never a view of the record.
+
+The three codecs' formats side by side: docs/formats.md, "lossless".
 """
 
 from __future__ import annotations

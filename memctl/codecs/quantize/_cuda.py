@@ -1,4 +1,4 @@
-"""CUDA kernels of the ``quantize`` codec (see NOTE [ Quantize CUDA kernels ] in ``_quantize_kernels``).
+"""CUDA kernels of the ``quantize`` codec (see NOTE [ Quantize CUDA kernels ] in ``_kernels``).
 
 This module imports ``numba.cuda`` at its top, so it is imported only on first use (by
 :func:`memctl.codecs.quantize._kernels.cuda_kernels`); the kernels refer to ``cuda`` as a

@@ -44,6 +44,8 @@ hides a divergence). They are excluded from min/max, coded 0, and listed with to
 (``isfinite``, ``nonzero``) in every implementation, so the lists are identical. The kernels
 report whether any group held one, so the lists are only built when needed; on a GPU that
 report is one small device-to-host read per encoded tensor.
+
+The three codecs' formats side by side: docs/formats.md, "quantize".
 """
 
 from __future__ import annotations
