@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
-from memctl.errors import BudgetError, ConfigError
+from memctl.controller.budget import BudgetSpec, parse_budget, resolve_budget
+from memctl.errors import ConfigError
 
 __all__ = [
     "ALLOCATION_KEYS",
@@ -197,12 +197,7 @@ class StaticView:
 
     def request_budget(self, value: object) -> Mapping[str, Any]:
         spec = parse_budget(value)
-        nbytes = resolve_budget(spec, self._device_total)
-        if nbytes is not None and self._device_total is not None and nbytes > self._device_total:
-            raise BudgetError(
-                f"budget {value!r} is {format_bytes(nbytes)}, more than the device's "
-                f"{format_bytes(self._device_total)}; give at most {self._device_total} bytes or '100%'"
-            )
+        nbytes = resolve_budget(spec, self._device_total)  # refuses more than the device has
         with self._lock:
             self._pending = {
                 "target": _target(spec),

@@ -28,6 +28,7 @@ import torch
 from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.device import resolve_device
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.stats import LayerState, median_grad_sq
@@ -93,7 +94,7 @@ class Controller:
         self.config = base
         self.model = model
         self.optimizer = optimizer
-        self.device = torch.device(device) if device is not None else memory.model_device(model)
+        self.device = resolve_device(device, model)
         self._budget_spec: BudgetSpec | None = parse_budget(budget)
         self._lock = threading.Lock()
         self._pending: list[BudgetSpec | None] = []
@@ -107,6 +108,7 @@ class Controller:
         self._oom_cap: int | None = None
         self._static_bytes = 0
         self._device_total = memory.device_total_bytes(self.device)
+        resolve_budget(self._budget_spec, self._device_total)  # refuses too large a budget before any hook
         self._activation_budget: int | None = None
         self._allocation: dict[str, Any] | None = None
         self._attribution_lost = False
