@@ -420,14 +420,18 @@ class Controller:
             "status": "pending",
         }
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> ServerHandle:
-        """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+              **options: Any) -> ServerHandle:
+        """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``.
+
+        ``options`` go to :func:`memctl.api.serve` (``allowed_hosts``, ``token_for_reads``,
+        ``request_timeout_s``, ...)."""
         from memctl.api.server import serve
 
         if self._server is not None:
             self._server.close()
         self._server = serve(self, host=host, port=port, token=token,
-                             history_capacity=self.config.monitor_history)
+                             history_capacity=self.config.monitor_history, **options)
         self._event("serve", f"HTTP API at {self._server.url}")
         return self._server
 
