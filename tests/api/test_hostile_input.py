@@ -173,6 +173,22 @@ def test_trickling_a_request_does_not_extend_its_deadline() -> None:
         assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:100]
 
 
+def test_the_deadline_leaves_keep_alive_connections_alone() -> None:
+    import http.client
+
+    with serve(StaticView(), request_timeout_s=0.5) as handle:
+        conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=5)
+        try:
+            for _ in range(2):
+                conn.request("GET", "/healthz")
+                response = conn.getresponse()
+                assert response.status == 200
+                response.read()
+                time.sleep(1.0)  # idle longer than the request deadline, shorter than keep-alive
+        finally:
+            conn.close()
+
+
 def test_serve_validates_the_new_options() -> None:
     for kwargs in ({"request_timeout_s": 0}, {"request_timeout_s": float("nan")}, {"max_connections": 0}):
         with pytest.raises(ConfigError):
