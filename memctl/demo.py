@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DemoOptions", "DemoResult", "DigitsNet", "run_demo"]
+__all__ = ["DemoOptions", "DemoResult", "DigitsNet", "check_options", "run_demo"]
 
 
 class DigitsNet(nn.Module):
@@ -90,12 +90,66 @@ class DemoResult:
 
 
 def _pick_device(name: str) -> torch.device:
+    from memctl.controller.device import resolve_device
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("memctl demo: --device cuda was asked for, but torch.cuda.is_available() is False")
-    return dev
+    return resolve_device(name, nn.Module())
+
+
+def check_options(opts: DemoOptions) -> torch.device:
+    """Validate every option before any training starts; returns the device to train on.
+
+    Raises:
+        ConfigError: an option is out of range (a budget, bits, a device this machine lacks,
+            a port outside [0, 65535], an output path that is not a directory).
+        MemctlError: the port is already in use.
+    """
+    from memctl.controller.budget import parse_budget, resolve_budget
+    from memctl.controller.config import ControllerConfig
+    from memctl.controller.memory import device_total_bytes
+    from memctl.errors import ConfigError
+
+    if isinstance(opts.steps, bool) or not isinstance(opts.steps, int) or opts.steps < 1:
+        raise ConfigError(f"--steps {opts.steps}: must be at least 1")
+    if isinstance(opts.batch_size, bool) or not isinstance(opts.batch_size, int) or opts.batch_size < 1:
+        raise ConfigError(f"--batch-size {opts.batch_size}: must be at least 1")
+    try:
+        ControllerConfig(bits=opts.bits)
+    except ConfigError as exc:
+        raise ConfigError(f"--bits {opts.bits:g}: {exc}") from None
+    device = _pick_device(opts.device)
+    resolve_budget(parse_budget(opts.budget), device_total_bytes(device))
+    if isinstance(opts.port, bool) or not isinstance(opts.port, int) or not 0 <= opts.port <= 65535:
+        raise ConfigError(f"--port {opts.port}: must be in [0, 65535] (0 picks a free port)")
+    if opts.port:
+        _check_port_free(opts.host, opts.port)
+    out = Path(opts.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {opts.out}: exists and is not a directory; choose another path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {opts.out}: cannot create it ({exc.strerror or exc}); choose another path"
+        ) from None
+    return device
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    from memctl.errors import MemctlError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise MemctlError(
+                f"--port {port}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                "choose another port, or --port 0 for any free one"
+            ) from None
 
 
 def _digits(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -242,7 +296,7 @@ def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
     def announce(msg: str) -> None:
         print(msg, file=stream, flush=True)
 
-    device = _pick_device(opts.device)
+    device = check_options(opts)
     announce(f"memctl demo: digits CNN on {device}, {opts.steps} steps of batch {opts.batch_size}, "
              f"budget {opts.budget or 'none'} (average {opts.bits:g} bits)")
     runs = []

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,7 @@ def test_status_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None:
     try:
         assert main(["status", "--url", handle.url]) == 0
         assert "step 0" in capsys.readouterr().out
-        assert main(["budget", "2GiB", "--url", handle.url]) == 0
+        assert main(["budget", "2GiB", "--url", handle.url, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["target_bytes"] == 2 * 2**30
         assert ctl.budget_info()["pending"] == "2GiB" or ctl.budget_info()["pending"] == 2 * 2**30
         assert main(["budget", "12XB", "--url", handle.url]) == 2
@@ -65,3 +68,134 @@ def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--budget", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
+
+
+# --- hostile input: one-line errors, before any training -------------------------------------
+
+def test_bare_memctl_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: memctl" in capsys.readouterr().err
+
+
+def _no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    import memctl.demo
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("training started before the options were checked")
+
+    monkeypatch.setattr(memctl.demo, "_train", refuse)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--bits", "0"], "--bits 0"),
+        (["--bits", "nan"], "--bits nan"),
+        (["--port", "99999"], "--port 99999: must be in [0, 65535]"),
+        (["--port", "-1"], "--port -1"),
+        (["--budget", "1000TiB"], "more than the device's"),
+        (["--budget", "10Gb"], "means bits"),
+        (["--budget", "lots"], "lots"),
+        (["--steps", "0"], "--steps 0"),
+        (["--batch-size", "0"], "--batch-size 0"),
+        (["--device", "graphics"], "device='graphics'"),
+    ],
+)
+def test_demo_checks_every_option_before_training(args: list[str], needle: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _no_training(monkeypatch)
+    assert main(["demo", "--no-progress", "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("memctl: ") and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_demo_on_a_missing_gpu_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    _no_training(monkeypatch)
+    assert main(["demo", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "there is no GPU" in err and err.count("\n") == 1
+
+
+def test_demo_port_in_use_is_found_before_training(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _no_training(monkeypatch)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["demo", "--port", str(port), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+
+
+def test_demo_errors_are_one_line_without_a_traceback() -> None:
+    out = subprocess.run([sys.executable, "-m", "memctl", "demo", "--bits", "0", "--port", "99999"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_a_negative_budget_is_parsed_and_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["budget", "-5GiB"], ["budget", "-5GiB", "--url", "http://127.0.0.1:9"],
+                 ["budget", "--url", "127.0.0.1:9", "-0.5GiB"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "is negative" in err, err
+    assert main(["budget"]) == 2
+    assert "give one budget" in capsys.readouterr().err
+
+
+def test_server_errors_are_sentences_and_urls_need_no_scheme(capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEMCTL_TOKEN", raising=False)
+    model = torch.nn.Linear(8, 8)
+    ctl = memctl.Controller(model, torch.optim.SGD(model.parameters(), lr=0.1), monitor_interval_s=0)
+    handle = ctl.serve(token="tok-123")
+    bare = f"127.0.0.1:{handle.port}"  # no scheme
+    try:
+        assert main(["budget", "1000TiB", "--url", bare, "--token", "tok-123"]) == 2
+        err = capsys.readouterr().err
+        assert "refused the request (422): target: budget '1000TiB' is 1000.00 TiB" in err
+        assert "{" not in err and err.count("\n") == 1
+        assert main(["budget", "1GiB", "--url", bare]) == 2
+        assert "(401)" in capsys.readouterr().err.replace("refused the request ", "")
+        assert main(["budget", "1GiB", "--url", f"localhost:{handle.port}/", "--token", "tok-123"]) == 0
+        assert "budget 1.00 GiB" in capsys.readouterr().out
+        assert main(["status", "--url", bare]) == 0
+    finally:
+        ctl.detach()
+
+
+def test_status_shows_the_budget_split_in_readable_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from memctl.controller.budget import format_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters())
+    ctl = memctl.Controller(model, opt, budget="1GiB", monitor_interval_s=0, min_numel=64)
+    handle = ctl.serve()
+    try:
+        for _ in range(2):
+            model(torch.randn(32, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with urllib.request.urlopen(handle.url + "/v1/stats", timeout=5) as response:
+            s = json.loads(response.read())
+        assert s["static_bytes"] > 0 and s["static_bytes"] == ctl.stats()["static_bytes"]
+        assert s["other_bytes"] == ctl.stats()["other_bytes"]
+        assert main(["status", "--url", handle.url]) == 0
+        out = capsys.readouterr().out
+    finally:
+        ctl.detach()
+    assert "step 2  budget 1.00 GiB  batch size" in out
+    margin = 2**30 - s["static_bytes"] - s["activation_budget_bytes"]
+    assert (f"budget split: static {format_bytes(s['static_bytes'])} (parameters, gradients, buffers, "
+            f"optimizer state) + activations up to {format_bytes(s['activation_budget_bytes'])} "
+            f"+ margin {format_bytes(margin)}") in out
+    held = s["packed_bytes"] + s["other_bytes"]
+    assert f"activations held {format_bytes(held)}" in out
+    assert "not counted: the CUDA context, other processes" in out
+    assert not re.search(r"\d{7,}", out), out  # no raw byte counts

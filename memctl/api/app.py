@@ -1,19 +1,22 @@
 """The FastAPI app factory: :func:`create_app` over a :class:`~memctl.api.view.ControllerView`."""
 
 import hmac
+import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memctl._version import __version__
@@ -32,7 +35,7 @@ from memctl.api.view import ControllerView
 from memctl.controller.budget import parse_budget
 from memctl.errors import ConfigError, MemctlError
 
-__all__ = ["create_app"]
+__all__ = ["LOOPBACK_HOSTS", "create_app"]
 
 # This module has no ``from __future__ import annotations``: FastAPI reads the endpoints'
 # annotations at runtime, and they refer to create_app's local variables.
@@ -42,8 +45,10 @@ _log = logging.getLogger("memctl.api")
 _STATS_EVENTS = 50  # events listed by /v1/stats; the snapshot's own list is bounded too
 _MAX_BODY_LIMIT = 1 << 20
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (401, 403, 413, 422, 500, 503)
+    code: {"model": ErrorResponse} for code in (401, 403, 413, 421, 422, 500, 503)
 }
+#: Host names served when ``allowed_hosts`` is not given: NOTE [ Host header ].
+LOOPBACK_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 
 # NOTE [ What the service may do ]
 # The app holds nothing but the view: it reads snapshots and queues budget requests, so it
@@ -54,6 +59,21 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 # not a 400 from the framework), and budgets go through parse_budget before the view.
 # Anything unexpected becomes a JSON 500 in _GuardMiddleware, never a dropped connection.
 # The status codes a client sees: docs/api.md, "Errors".
+
+# NOTE [ Host header ]
+# A tokenless server on 127.0.0.1 is reachable from the user's own browser, so a web page
+# can use DNS rebinding (its name re-resolved to 127.0.0.1) to send requests that the
+# browser considers same-origin: without a check it could read the state and change the
+# budget. Such requests carry the attacker's name in Host, so the app answers only Host
+# names it was told are its own: the loopback names by default, the bound address and
+# the machine's names when serve() binds elsewhere, or any list given as allowed_hosts
+# ("*" turns the check off). Others get 421 before any handler runs.
+
+# NOTE [ Self-contained docs ]
+# FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN, which a training node
+# without internet cannot reach. /docs is instead one HTML file shipped in this package
+# (docs.html, package data) that renders /openapi.json with a few lines of inline script
+# and can send requests; nothing is loaded from elsewhere. /redoc is not served.
 
 # NOTE [ Cheap reads ]
 # Polling must not slow training. The read handlers are ``async`` (no thread hand-off per
@@ -79,7 +99,8 @@ class _SnapshotCache:
 
 
 def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes: int = 4096,
-               history_capacity: int = 600) -> FastAPI:
+               history_capacity: int = 600, allowed_hosts: Sequence[str] | None = None,
+               token_for_reads: bool = False) -> FastAPI:
     """A fresh FastAPI app serving ``view``.
 
     Args:
@@ -90,6 +111,11 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         max_body_bytes: Larger request bodies get 413, by ``Content-Length`` and by the
             bytes actually sent.
         history_capacity: The largest ``limit`` ``/v1/history`` accepts: the monitor's capacity.
+        allowed_hosts: Host names (or addresses) this app answers to, as in the ``Host``
+            header, without port; ``None`` means :data:`LOOPBACK_HOSTS`, ``["*"]`` any
+            host. Other hosts get 421 (NOTE [ Host header ]).
+        token_for_reads: With a ``token``, also require it for every read except
+            ``/healthz`` and the static ``/docs`` and ``/openapi.json``: ``/v1/*`` and ``/metrics``.
 
     Raises:
         ConfigError: an argument is out of range.
@@ -103,17 +129,38 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
             f"history_capacity={history_capacity!r} must be a positive int (the monitor's capacity)"
         )
 
+    hosts = _check_hosts(allowed_hosts)
+    if not isinstance(token_for_reads, bool):
+        raise ConfigError(f"token_for_reads={token_for_reads!r} must be True or False")
+    if token_for_reads and token is None:
+        raise ConfigError("token_for_reads=True needs a token (token=... or MEMCTL_TOKEN)")
+
+    guard = [Depends(_bearer_guard(token))] if token is not None else []
+    read_guard = guard if token_for_reads else []
     app = FastAPI(
         title="memctl",
         version=__version__,
         description="Live state and control of a memctl Controller: compressed activations under a budget.",
         responses=_ERRORS,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.add_middleware(_GuardMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(_HostMiddleware, allowed=hosts)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     registry = build_registry(view)
-    guard = [Depends(_bearer_guard(token))] if token is not None else []
+    docs_page = resources.files("memctl.api").joinpath("docs.html").read_text(encoding="utf-8")
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """This API's description and a form to call it (NOTE [ Self-contained docs ])."""
+        return HTMLResponse(docs_page)
 
     cache = _SnapshotCache()
 
@@ -131,7 +178,7 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         body["events"] = list(body["events"])[-_STATS_EVENTS:]
         return StatsResponse.model_validate(body).model_dump_json().encode()
 
-    @app.get("/v1/stats", response_model=StatsResponse, tags=["state"])
+    @app.get("/v1/stats", dependencies=read_guard, response_model=StatsResponse, tags=["state"])
     async def stats() -> Response:
         """Step, budget, device memory, activation bytes and ratio, last allocation, recent events."""
         return cached_json("stats", render_stats)
@@ -140,12 +187,12 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         body = {"step": snap["step"], "layers": list(snap["layers"])}
         return LayersResponse.model_validate(body).model_dump_json().encode()
 
-    @app.get("/v1/layers", response_model=LayersResponse, tags=["state"])
+    @app.get("/v1/layers", dependencies=read_guard, response_model=LayersResponse, tags=["state"])
     async def layers() -> Response:
         """Per-layer bits or error bound, raw and packed bytes, sensitivity."""
         return cached_json("layers", render_layers)
 
-    @app.get("/v1/budget", response_model=BudgetInfoResponse, tags=["budget"])
+    @app.get("/v1/budget", response_model=BudgetInfoResponse, tags=["budget"], dependencies=read_guard)
     async def get_budget() -> dict[str, Any]:
         """The budget in force and any change queued for the next step."""
         return dict(view.budget_info())
@@ -164,7 +211,7 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
             raise HTTPException(status_code=503, detail=str(exc)) from None
         return dict(result)
 
-    @app.get("/v1/history", response_model=HistoryResponse, tags=["state"])
+    @app.get("/v1/history", dependencies=read_guard, response_model=HistoryResponse, tags=["state"])
     async def history(
         limit: Annotated[int | None, Query(ge=1, le=history_capacity,
                                            description="most recent samples to return")] = None,
@@ -173,7 +220,7 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         samples = [dict(s) for s in view.history(limit)][-history_capacity:]
         return {"count": len(samples), "samples": samples}
 
-    @app.get("/metrics", tags=["service"], response_class=Response,
+    @app.get("/metrics", tags=["service"], response_class=Response, dependencies=read_guard,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
@@ -181,6 +228,33 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _check_hosts(allowed_hosts: Sequence[str] | None) -> frozenset[str] | None:
+    """The allowed Host names, normalised; ``None`` for any host ("*")."""
+    if allowed_hosts is None:
+        allowed_hosts = LOOPBACK_HOSTS
+    if isinstance(allowed_hosts, str) or not all(isinstance(h, str) and h.strip() for h in allowed_hosts):
+        raise ConfigError(
+            f"allowed_hosts={allowed_hosts!r} must be a list of host names such as ['localhost', "
+            "'trainer.example.org'], or ['*'] for any host"
+        )
+    if "*" in allowed_hosts:
+        return None
+    return frozenset(_host_name(h) for h in allowed_hosts)
+
+
+def _host_name(host: str) -> str:
+    """A Host header's name, lower case, without port or IPv6 brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.rstrip(".")
 
 
 def _check_token(token: str | None) -> None:
@@ -250,7 +324,8 @@ def _describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RequestValidationError)
+    if not isinstance(exc, RequestValidationError):  # pragma: no cover - registered for that type only
+        raise exc
     errors = [
         {"loc": [x if isinstance(x, int) else str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
          "type": str(e.get("type", ""))}
@@ -260,15 +335,56 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StarletteHTTPException)
+    if not isinstance(exc, StarletteHTTPException):  # pragma: no cover - registered for that type only
+        raise exc
     headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:  # Starlette lists only the first matching route's methods
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
     return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)  # PARTIAL: the path matches, the method does not
+        route_methods = getattr(route, "methods", None)
+        if match is not Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return sorted(methods)
 
 
 async def _send_json(send: Send, status: int, detail: str) -> None:
     response = JSONResponse({"detail": detail}, status_code=status)
     await send({"type": "http.response.start", "status": status, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
+
+
+class _HostMiddleware:
+    """Answers 421 to a Host this app was not told is its own (NOTE [ Host header ])."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str] | None) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.allowed is None:
+            await self.app(scope, receive, send)
+            return
+        host = Headers(scope=scope).get("host")
+        if host is None:
+            await _send_json(send, 400, "the request has no Host header; HTTP/1.1 requires one")
+            return
+        if _host_name(host) not in self.allowed:
+            shown = host if len(host) <= 100 else host[:100] + "..."
+            await _send_json(
+                send, 421,
+                f"this server does not answer to Host {shown!r}; it answers to {sorted(self.allowed)}. "
+                "Use one of those names in the URL, or start the server with allowed_hosts=[...] "
+                "naming the host you use",
+            )
+            return
+        await self.app(scope, receive, send)
 
 
 class _GuardMiddleware:

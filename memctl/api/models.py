@@ -91,9 +91,12 @@ class StatsResponse(_Model):
     budget: Target
     budget_bytes: int | None
     activation_budget_bytes: int | None
+    static_bytes: int = Field(0, description="parameters, gradients, buffers, optimizer state "
+                              "(and GPU allocator workspace): what the budget counts besides activations")
     memory: MemoryModel | None
     raw_bytes: int
     packed_bytes: int
+    other_bytes: int = Field(0, description="saved activations kept exact (not compressed)")
     ratio: float
     avg_bits: float
     batch_size: int | None

@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -86,7 +87,9 @@ class ServerHandle:
 
 def serve(view: ControllerView, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
           log_level: str = "warning", max_body_bytes: int = 4096, history_capacity: int = 600,
-          startup_timeout_s: float = 10.0) -> ServerHandle:
+          startup_timeout_s: float = 10.0, allowed_hosts: Sequence[str] | None = None,
+          token_for_reads: bool | None = None, request_timeout_s: float = 10.0,
+          max_connections: int = 64) -> ServerHandle:
     """Serve :func:`~memctl.api.create_app` over ``view`` on a daemon thread; return once listening.
 
     Args:
@@ -98,6 +101,15 @@ def serve(view: ControllerView, host: str = "127.0.0.1", port: int = 0, *, token
         log_level: uvicorn's log level (``"warning"`` keeps access logs quiet).
         max_body_bytes, history_capacity: passed to :func:`~memctl.api.create_app`.
         startup_timeout_s: How long to wait for the socket to listen.
+        allowed_hosts: Host names the server answers to (NOTE [ Host header ] in
+            :mod:`memctl.api.app`); ``None``: the loopback names, ``host`` itself, and when
+            ``host`` is a wildcard (``0.0.0.0``, ``::``) this machine's names and addresses.
+            ``["*"]`` answers any Host.
+        token_for_reads: Require the token for reads as well (``/v1/*``, ``/metrics``);
+            ``None``: on when ``host`` is not a loopback address, off on loopback.
+        request_timeout_s: A request not fully received this long after its first byte
+            gets 408 and its connection is closed (NOTE [ Half-open requests ]).
+        max_connections: Connections served at once; beyond it new ones get 503.
 
     Raises:
         ConfigError: a bad argument, or a non-loopback ``host`` without a token.
@@ -106,6 +118,7 @@ def serve(view: ControllerView, host: str = "127.0.0.1", port: int = 0, *, token
     """
     import uvicorn
 
+    from memctl.api._protocol import deadline_protocol
     from memctl.api.app import create_app
 
     if not isinstance(host, str) or not host.strip():
@@ -122,8 +135,21 @@ def serve(view: ControllerView, host: str = "127.0.0.1", port: int = 0, *, token
             f"change the memory budget. Pass token=... to serve(), or set the {_TOKEN_ENV} environment "
             "variable, or bind to host='127.0.0.1'"
         )
-    app = create_app(view, token=token, max_body_bytes=max_body_bytes, history_capacity=history_capacity)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    if isinstance(request_timeout_s, bool) or not isinstance(request_timeout_s, int | float) \
+            or not 0 < request_timeout_s <= 3600:
+        raise ConfigError(f"request_timeout_s={request_timeout_s!r} must be a number of seconds in (0, 3600]")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+        raise ConfigError(f"max_connections={max_connections!r} must be a positive int")
+    if token_for_reads is None:
+        token_for_reads = token is not None and not _is_loopback(host)
+    if allowed_hosts is None:
+        allowed_hosts = _default_hosts(host)
+    app = create_app(view, token=token, max_body_bytes=max_body_bytes, history_capacity=history_capacity,
+                     allowed_hosts=allowed_hosts, token_for_reads=token_for_reads)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            http=deadline_protocol(float(request_timeout_s)),
+                            timeout_keep_alive=5, limit_concurrency=max_connections)
+    server = uvicorn.Server(config)
     failures: list[BaseException] = []
 
     def run() -> None:
@@ -153,6 +179,21 @@ def serve(view: ControllerView, host: str = "127.0.0.1", port: int = 0, *, token
         time.sleep(0.01)
     bound = int(server.servers[0].sockets[0].getsockname()[1])
     return ServerHandle(server, thread, host, bound)
+
+
+def _default_hosts(host: str) -> list[str]:
+    """The Host names served by default: loopback, the bound address, and for a wildcard
+    address this machine's own names and addresses (none of which a rebinding page can use)."""
+    from memctl.api.app import LOOPBACK_HOSTS
+
+    names = [*LOOPBACK_HOSTS, host.strip().strip("[]")]
+    if host.strip().strip("[]") in ("0.0.0.0", "::", ""):
+        with contextlib.suppress(OSError):
+            hostname = socket.gethostname()
+            names += [hostname, socket.getfqdn()]
+            for info in socket.getaddrinfo(hostname, None):
+                names.append(str(info[4][0]))
+    return [n for n in dict.fromkeys(names) if n]
 
 
 def _is_loopback(host: str) -> bool:

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
-from memctl.errors import BudgetError, ConfigError
+from memctl.controller.budget import BudgetSpec, parse_budget, resolve_budget
+from memctl.errors import ConfigError
 
 __all__ = [
     "ALLOCATION_KEYS",
@@ -32,8 +32,9 @@ __all__ = [
 
 #: Keys of :meth:`ControllerView.snapshot` (all present, values as documented there).
 SNAPSHOT_KEYS = (
-    "step", "budget", "budget_bytes", "activation_budget_bytes", "raw_bytes", "packed_bytes",
-    "ratio", "avg_bits", "batch_size", "fallbacks", "allocation", "events", "layers", "memory",
+    "step", "budget", "budget_bytes", "activation_budget_bytes", "static_bytes", "raw_bytes",
+    "packed_bytes", "other_bytes", "ratio", "avg_bits", "batch_size", "fallbacks", "allocation",
+    "events", "layers", "memory",
 )
 #: Keys of ``snapshot()["allocation"]`` when it is not ``None``.
 ALLOCATION_KEYS = ("solver", "status", "time_ms", "objective", "feasible", "step")
@@ -71,9 +72,15 @@ class ControllerView(Protocol):
         - ``budget_bytes`` (int | None): ``budget`` resolved to bytes on this device.
         - ``activation_budget_bytes`` (int | None): the part of the budget left for saved
           activations (budget minus static memory minus margin); ``None`` without a budget.
-        - ``raw_bytes`` (int): bytes the saved activations of the last step would take
-          uncompressed.
+        - ``static_bytes`` (int): what the budget counts besides activations, measured at
+          the last step boundary: parameters, gradients, buffers and optimizer state (each
+          storage once), plus on a GPU the allocator workspace seen at the step's peak.
+        - ``raw_bytes`` (int): bytes the compressed saved activations of the last step
+          would take uncompressed.
         - ``packed_bytes`` (int): bytes they took compressed.
+        - ``other_bytes`` (int): bytes of saved activations kept exact (small tensors, the
+          loss's, integer and bool tensors); held activations are ``packed_bytes +
+          other_bytes``.
         - ``ratio`` (float): ``raw_bytes / packed_bytes`` (1.0 when nothing was saved).
         - ``avg_bits`` (float): average bits per saved value, weighted by values.
         - ``batch_size`` (int | None): the batch size in force, when the controller manages it.
@@ -141,7 +148,8 @@ def empty_snapshot() -> dict[str, Any]:
     """A snapshot before the first step: no budget, nothing saved, no allocation."""
     return {
         "step": 0, "budget": None, "budget_bytes": None, "activation_budget_bytes": None,
-        "raw_bytes": 0, "packed_bytes": 0, "ratio": 1.0, "avg_bits": 32.0, "batch_size": None,
+        "static_bytes": 0, "raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0, "ratio": 1.0,
+        "avg_bits": 32.0, "batch_size": None,
         "fallbacks": 0, "allocation": None, "events": [], "layers": [], "memory": None,
     }
 
@@ -199,12 +207,7 @@ class StaticView:
 
     def request_budget(self, value: object) -> Mapping[str, Any]:
         spec = parse_budget(value)
-        nbytes = resolve_budget(spec, self._device_total)
-        if nbytes is not None and self._device_total is not None and nbytes > self._device_total:
-            raise BudgetError(
-                f"budget {value!r} is {format_bytes(nbytes)}, more than the device's "
-                f"{format_bytes(self._device_total)}; give at most {self._device_total} bytes or '100%'"
-            )
+        nbytes = resolve_budget(spec, self._device_total)  # refuses more than the device has
         with self._lock:
             self._pending = {
                 "target": _target(spec),

@@ -189,8 +189,30 @@ class CudaFallback:
 
 
 def require_tensor(t: object, codec: str) -> None:
-    """Raise a :class:`CodecError` naming ``codec`` unless ``t`` is a tensor."""
+    """Raise a :class:`CodecError` naming ``codec`` unless ``t`` is a dense tensor with data.
+
+    Codecs read a tensor's values through a flat view, which sparse, nested and
+    quantized tensors do not have, and meta tensors have no values at all.
+    """
     if not isinstance(t, torch.Tensor):
         raise CodecError(
             f"{codec!r} encodes a torch.Tensor, got {type(t).__name__}; convert it with torch.as_tensor"
+        )
+    if t.is_nested:
+        raise CodecError(
+            f"{codec!r} encodes dense tensors, got a nested tensor; encode its components "
+            "(t.unbind()) one by one, or t.to_padded_tensor(0.0)"
+        )
+    if t.layout is not torch.strided:
+        raise CodecError(
+            f"{codec!r} encodes dense strided tensors, got layout={t.layout}; convert it with .to_dense()"
+        )
+    if t.is_quantized:
+        raise CodecError(
+            f"{codec!r} encodes dense tensors, got a quantized one; convert it with .dequantize()"
+        )
+    if t.device.type == "meta":
+        raise CodecError(
+            f"{codec!r} got a tensor on the 'meta' device, which holds no values to compress; "
+            "materialise it on a real device first (e.g. with .to_empty(device='cpu') and an initialisation)"
         )

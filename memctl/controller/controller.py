@@ -29,6 +29,7 @@ import torch
 from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.device import resolve_device
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.stats import LayerState, median_grad_sq
@@ -94,7 +95,7 @@ class Controller:
         self.config = base
         self.model = model
         self.optimizer = optimizer
-        self.device = torch.device(device) if device is not None else memory.model_device(model)
+        self.device = resolve_device(device, model)
         self._budget_spec: BudgetSpec | None = parse_budget(budget)
         self._lock = threading.Lock()
         self._pending: list[BudgetSpec | None] = []
@@ -108,6 +109,7 @@ class Controller:
         self._oom_cap: int | None = None
         self._static_bytes = 0
         self._device_total = memory.device_total_bytes(self.device)
+        resolve_budget(self._budget_spec, self._device_total)  # refuses too large a budget before any hook
         self._activation_budget: int | None = None
         self._allocation: dict[str, Any] | None = None
         self._attribution_lost = False
@@ -419,14 +421,18 @@ class Controller:
             "status": "pending",
         }
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> ServerHandle:
-        """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``."""
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+              **options: Any) -> ServerHandle:
+        """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``.
+
+        ``options`` go to :func:`memctl.api.serve` (``allowed_hosts``, ``token_for_reads``,
+        ``request_timeout_s``, ...)."""
         from memctl.api.server import serve
 
         if self._server is not None:
             self._server.close()
         self._server = serve(self, host=host, port=port, token=token,
-                             history_capacity=self.config.monitor_history)
+                             history_capacity=self.config.monitor_history, **options)
         self._event("serve", f"HTTP API at {self._server.url}")
         return self._server
 

@@ -59,7 +59,7 @@ def make_client() -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def make(view: Any, **options: Any) -> TestClient:
-        client = TestClient(create_app(view, **options))
+        client = TestClient(create_app(view, **options), base_url="http://127.0.0.1")
         clients.append(client)
         return client
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -45,6 +47,101 @@ def test_parse_rejects_and_names_the_value(bad: object) -> None:
     with pytest.raises(memctl.BudgetError) as info:
         parse_budget(bad)
     assert repr(bad)[:20].strip("'\"") in str(info.value) or str(bad) in str(info.value)
+
+
+GIB24 = 24 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("1" + "0" * 400, "more than any device holds"),
+        ("9" * 310 + "GiB", "more than any device holds"),
+        (10**400, "more than any device holds"),
+        ("0." + "0" * 60 + "1GiB", "at most 40"),
+        ("1.5", "not a whole number of bytes"),
+        (1.5, "not a whole number of bytes"),
+        ("1.5B", "not a whole number of bytes"),
+        ("0.5", "not a whole number of bytes"),
+        ("0", "must be positive"),
+        ("0GiB", "must be positive"),
+        ("0.0000000001GiB", "must be positive"),
+        ("10Gb", "lowercase 'b', which means bits"),
+        ("10gb", "write '10GB'"),
+        ("10Mb", "'10MiB'"),
+        ("10b", "lowercase 'b'"),
+        ("-5GiB", "is negative"),
+        (" -1 ", "is negative"),
+        (-1, "must be positive"),
+        (float("nan"), "not a finite number"),
+        (float("inf"), "not a finite number"),
+        (float("-inf"), "not a finite number"),
+        ("nan", "could not be parsed"),
+        ("inf", "could not be parsed"),
+        ("1e9", "could not be parsed"),
+        ("", "is empty"),
+        ("   ", "is empty"),
+        ("\t\n", "is empty"),
+        ("12 XB", "unknown unit 'XB'"),
+    ],
+)
+def test_hostile_budgets_are_a_budget_error(value: object, needle: str) -> None:
+    with pytest.raises(memctl.BudgetError, match=re.escape(needle)):
+        parse_budget(value)
+
+
+def test_one_rule_for_fractions_strings_and_json_numbers() -> None:
+    # a bare number counts bytes and must be whole, whether a string or a number
+    assert parse_budget("4096") == parse_budget(4096) == parse_budget(4096.0)
+    # with a unit a fraction is fine, rounded down to whole bytes
+    assert parse_budget("1.5GiB") == BudgetSpec(nbytes=3 * 2**29)
+    assert parse_budget("1.0001KiB") == BudgetSpec(nbytes=1024)
+    assert parse_budget("10kB") == parse_budget("10KB") == BudgetSpec(nbytes=10_000)
+    assert parse_budget("10GB") == parse_budget("10gB") == BudgetSpec(nbytes=10 * 10**9)
+    assert parse_budget("10GIB") == parse_budget("10G") == BudgetSpec(nbytes=10 * 2**30)
+
+
+def test_a_percentage_that_rounds_to_zero_bytes_is_refused_like_zero() -> None:
+    spec = parse_budget("0.0000000001%")
+    with pytest.raises(memctl.BudgetError, match=r"0 bytes of this device's 24.00 GiB"):
+        resolve_budget(spec, GIB24)
+    assert resolve_budget(parse_budget("0.0000001%"), GIB24) == 25  # 25.77 bytes, rounded down
+
+
+def test_budgets_above_the_device_are_refused_naming_both_values() -> None:
+    with pytest.raises(memctl.BudgetError) as info:
+        resolve_budget(parse_budget("1000TiB"), GIB24)
+    message = str(info.value)
+    assert "1000TiB" in message and "1000.00 TiB" in message and "24.00 GiB" in message
+    assert str(GIB24) in message
+    assert resolve_budget(parse_budget("24GiB"), GIB24) == GIB24
+    assert resolve_budget(parse_budget("100%"), GIB24) == GIB24
+    assert resolve_budget(parse_budget("1000TiB"), None) == 1000 * 2**40  # device size unknown
+
+
+def test_a_controller_refuses_a_budget_above_its_device_before_attaching() -> None:
+    model = nn.Linear(4, 4)
+    total = memctl.controller.memory.device_total_bytes(torch.device("cpu"))
+    assert total is not None
+    with pytest.raises(memctl.BudgetError, match="more than the device's"):
+        memctl.Controller(model, budget=total + 1, monitor_interval_s=0)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # nothing was attached
+    ctl = memctl.Controller(model, monitor_interval_s=0)
+    with pytest.raises(memctl.BudgetError, match="more than the device's"):
+        ctl.set_budget(total + 1)
+    assert ctl.budget_info()["pending"] is None
+    ctl.detach()
+
+
+def test_format_bytes_never_overflows() -> None:
+    from memctl.controller.budget import format_bytes
+
+    assert format_bytes(10**400) == "about 10^400 B"
+    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_bytes(2**50) == "1.00 PiB"
+    assert format_bytes(512) == "512 B"
+    with pytest.raises(memctl.BudgetError, match="more than any device holds"):
+        parse_budget(10**5000)  # past Python's int-to-str limit: the message must not need repr()
 
 
 def _run(ctl: memctl.Controller, model: nn.Module, opt: torch.optim.Optimizer, steps: int,

@@ -72,6 +72,7 @@ from memctl.errors import CodecError, ConfigError
 __all__ = ["ErrorBoundCodec", "bits_for_range"]
 
 _BUFFERS = ("mode", "offset", "payload", "qmin", "step")
+_MAX_GROUP_SIZE = 1 << 24  # values per group; offsets and codes are sized for it
 # One thread per group: small blocks spread the few threads over many SMs (and keep Numba's
 # low-occupancy warning, under 128 blocks, for tensors below 128 * 32 groups only).
 _GROUP_THREADS = 32
@@ -94,9 +95,14 @@ def _check_bound(error_bound: object) -> float:
         raise ConfigError(
             f"error_bound={error_bound!r} must be a float (an absolute bound such as 1e-3)"
         )
-    e = float(error_bound)
+    try:
+        e = float(error_bound)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        e = math.inf
     if not (math.isfinite(e) and e > 0.0):
-        raise ConfigError(f"error_bound={error_bound!r} must be finite and > 0 (for example 1e-3)")
+        shown = f"an int of {error_bound.bit_length()} bits" if isinstance(error_bound, int) \
+            and abs(error_bound) > 2**64 else repr(error_bound)
+        raise ConfigError(f"error_bound={shown} must be finite and > 0 (for example 1e-3)")
     return e
 
 
@@ -116,9 +122,11 @@ class ErrorBoundCodec:
 
     def __post_init__(self) -> None:
         g = self.group_size
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or g % 8:
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 < g <= _MAX_GROUP_SIZE or g % 8:
+            shown = f"an int of {g.bit_length()} bits" if isinstance(g, int) and abs(g) > 2**64 else repr(g)
             raise ConfigError(
-                f"group_size={g!r} must be a positive multiple of 8 (for example 256)"
+                f"group_size={shown} must be a positive multiple of 8 up to {_MAX_GROUP_SIZE} "
+                "(for example 256)"
             )
 
     def encode(
@@ -195,7 +203,11 @@ class ErrorBoundCodec:
         return out.to(p.dtype).reshape(p.shape)
 
 
-def _check_record(p: Packed) -> tuple[int, DtypeSpec]:
+def _check_record(p: object) -> tuple[int, DtypeSpec]:
+    if not isinstance(p, Packed):
+        raise CodecError(
+            f"'errorbound' decodes its own Packed records, got {type(p).__name__}; pass what encode returned"
+        )
     if p.codec != ErrorBoundCodec.name:
         raise CodecError(
             f"record was written by codec {p.codec!r}, not 'errorbound'; decode it with "

@@ -83,11 +83,6 @@ class LosslessCodec:
                 f"'lossless' is exact and takes no bits/error_bound (got bits={bits!r}, "
                 f"error_bound={error_bound!r}); pass neither, or use 'quantize'/'errorbound'"
             )
-        if t.layout is not torch.strided or t.is_quantized:
-            raise CodecError(
-                f"'lossless' encodes dense strided tensors, got layout={t.layout}"
-                f"{' (quantized)' if t.is_quantized else ''}; convert with .to_dense() or .dequantize()"
-            )
         _rng.check_seed(seed)
         chosen = _backend.resolve_impl(impl, t.device)
         flat = t.detach().reshape(-1)

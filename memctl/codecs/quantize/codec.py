@@ -60,16 +60,21 @@ from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
 from memctl.codecs.quantize import _reference
 from memctl.errors import CodecError, ConfigError
 
-__all__ = ["BITS", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
+__all__ = ["BITS", "MAX_GROUP_SIZE", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
 
 BITS: tuple[int, ...] = (1, 2, 4, 8)
+#: The largest group size (values per (min, max) pair): 2**24.
+MAX_GROUP_SIZE = 1 << 24
 _NAME = "quantize"
 
 
 def _check_group_size(group_size: object) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) \
+            or not 0 < group_size <= MAX_GROUP_SIZE or group_size % 8:
+        shown = f"an int of {group_size.bit_length()} bits" if isinstance(group_size, int) \
+            and abs(group_size) > 2**64 else repr(group_size)
         raise ConfigError(
-            f"group_size={group_size!r} must be a positive multiple of 8 (e.g. 128, 256); "
+            f"group_size={shown} must be a positive multiple of 8 up to {MAX_GROUP_SIZE} (e.g. 128, 256); "
             "round it to a multiple of 8"
         )
     return group_size
