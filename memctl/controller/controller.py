@@ -11,6 +11,13 @@ re-solve the allocation every ``allocation_interval`` steps or at once after a b
 change, recompute the batch size and publish an immutable snapshot for readers (the
 HTTP API). Nothing in the hot path waits on a reader.
 The whole step, and what each part reads and writes: docs/design.md, "One training step".
+
+NOTE [ Errors at the step boundary ]
+The boundary runs inside the user's ``optimizer.step()``. memctl must never end a
+training run, so any exception from the statistics, policy or allocation code there is
+caught: it is logged (with its traceback), counted (``stats()["errors"]``) and recorded
+as an ``error`` event; the step still advances, the step's records are dropped, and the
+layers keep the bits of the last allocation that succeeded.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ import torch
 from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.copysafe import ControllerHook, managing_hooks
 from memctl.controller.device import resolve_device
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
+from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq
 from memctl.errors import ConfigError
 
@@ -42,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = ["Controller"]
 
 _log = logging.getLogger("memctl.controller")
-_STATE_VERSION = 1
 
 
 class Controller:
@@ -83,6 +91,14 @@ class Controller:
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
             )
+        managed = managing_hooks(model)
+        if managed:
+            raise ConfigError(
+                f"{type(model).__name__} already has a memctl.Controller attached (hooks on "
+                f"{', '.join(managed[:3])}{', ...' if len(managed) > 3 else ''}); two controllers on one "
+                "model would split its saved tensors between them: keep using the first, or call its "
+                "detach() before attaching another"
+            )
         base = config if config is not None else ControllerConfig()
         if bits is not None:
             overrides["bits"] = bits
@@ -104,7 +120,8 @@ class Controller:
         self._step = 0
         self._fallbacks = 0
         self._fallback_layers: set[str] = set()
-        self._batch_seen = 0
+        self._errors = 0
+        self._micro_batches = 0
         self._batch_size: int | None = None
         self._oom_cap: int | None = None
         self._static_bytes = 0
@@ -120,7 +137,7 @@ class Controller:
         self._tracker = ModuleTracker()
         self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
         self._packer.set_parameters(model)
-        self._scope = SavedTensorScope(self._packer.pack, self._packer.unpack)
+        self._scope = SavedTensorScope(self._packer.pack, self._packer.unpack, self._capturing)
         self._handles: list[Any] = []
         self._server: ServerHandle | None = None
         self._monitor: Sampler | None = None
@@ -131,16 +148,18 @@ class Controller:
     # -- attach / detach ---------------------------------------------------------------
     def _attach(self) -> None:
         model = self.model
-        self._handles.append(model.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._on_forward_end, always_call=True))
+        # NOTE [ Copies of an attached model ]: every hook is a ControllerHook.
+        on_forward, on_end = ControllerHook(self._on_forward), ControllerHook(self._on_forward_end)
+        self._handles.append(model.register_forward_pre_hook(on_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(on_end, always_call=True))
         self._handles.extend(self._tracker.attach(model))
         for name, module in model.named_modules():
             if module is model or not any(True for _ in module.parameters(recurse=False)):
                 continue
             self._layers.setdefault(name, LayerState(name=name, kernel=_kernel_size(module)))
-            self._handles.append(module.register_forward_hook(self._grad_probe(name)))
+            self._handles.append(module.register_forward_hook(ControllerHook(self._grad_probe(name))))
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_post_hook(self._on_optimizer_step))
+            self._handles.append(self.optimizer.register_step_post_hook(ControllerHook(self._on_optimizer_step)))
         if self.config.monitor_interval_s > 0:
             from memctl.monitor import Sampler, select_reader
 
@@ -186,10 +205,17 @@ class Controller:
             self._packer.begin_step(self._step)
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
+        if self._tracker.model_depth == 0:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            samples = 0
+            if first is not None and first.dim() > self.config.batch_dim:
+                samples = int(first.shape[self.config.batch_dim])
+            self._packer.begin_forward(samples)  # NOTE [ Micro-batches ]
         self._tracker.model_depth += 1
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if first is not None and first.dim() > self.config.batch_dim:
-            self._batch_seen += int(first.shape[self.config.batch_dim])
+
+    def _capturing(self) -> bool:
+        """Whether the pack hook compresses the tensor at hand (NOTE [ Capture window ])."""
+        return self._tracker.current != ROOT or self._packer.graph_alive
 
     @torch.compiler.disable
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -233,11 +259,40 @@ class Controller:
 
     # -- the step boundary -----------------------------------------------------------
     def step(self) -> None:
-        """Advance one step (called by the optimizer's step post-hook)."""
+        """Advance one step (called by the optimizer's step post-hook).
+
+        Never raises (NOTE [ Errors at the step boundary ]): an error in the statistics,
+        policy or allocation code is logged, counted in ``stats()["errors"]`` and recorded
+        as an event; the step still advances and training goes on at the last good
+        allocation.
+        """
+        start = self._step
+        try:
+            self._step_boundary()
+        except Exception as exc:
+            self._step_failed(exc, start)
+
+    def _step_failed(self, exc: Exception, start: int) -> None:
+        """NOTE [ Errors at the step boundary ]."""
+        self._errors += 1
+        _log.error("memctl step boundary failed at step %d (%s: %s); training goes on at the last "
+                   "good allocation", start, type(exc).__name__, exc, exc_info=exc)
+        try:
+            self._event("error", f"step boundary failed: {type(exc).__name__}: {exc}")
+            self._scope.close()
+            self._packer.finish_step()
+            if self._step == start:
+                self._step += 1
+            self._probing = True
+            self._publish()
+        except Exception:  # the snapshot keeps its last good value
+            _log.exception("memctl could not publish its state after the step boundary failed")
+
+    def _step_boundary(self) -> None:
         self._scope.close()
         records = self._packer.finish_step()
-        batch = self._batch_seen
-        self._batch_seen = 0
+        batch = self._packer.last_samples
+        self._micro_batches = self._packer.last_micro_batches
         self._attribution_lost = bool(records) and set(records) <= {ROOT, MODEL} and any(
             True for m in self.model.modules() if m is not self.model
         ) and self._tracker.module_calls == self._calls_at_open
@@ -354,7 +409,12 @@ class Controller:
 
     @property
     def batch_size(self) -> int | None:
-        """Largest batch that fits the budget at the current allocation (None before a step)."""
+        """Largest batch that fits the budget at the current allocation (None before a step).
+
+        It counts samples per forward, i.e. per micro-batch with gradient accumulation
+        (NOTE [ Micro-batches ]): with 4 micro-batches of 16 per optimizer step the basis
+        is 16, and ``stats()["micro_batches"]`` is 4.
+        """
         return self._batch_size
 
     @property
@@ -374,7 +434,6 @@ class Controller:
         self._scope.close()
         self._packer.finish_step()
         self._tracker.reset()
-        self._batch_seen = 0
 
     def guarded_step(self, compute_loss: Callable[[Any], torch.Tensor], batch: Any, *,
                      max_splits: int = 6) -> float:
@@ -440,7 +499,7 @@ class Controller:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: bits, statistics, budget and step."""
         return {
-            "version": _STATE_VERSION,
+            "version": STATE_VERSION,
             "step": self._step,
             "budget": self._budget_spec.to_json() if self._budget_spec else None,
             "layers": {name: s.state_dict() for name, s in self._layers.items()},
@@ -449,26 +508,24 @@ class Controller:
             "static_bytes": self._static_bytes,
             "activation_budget": self._activation_budget,
             "fallbacks": self._fallbacks,
+            "errors": self._errors,
             "allocation": dict(self._allocation) if self._allocation else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`."""
-        version = state.get("version")
-        if version != _STATE_VERSION:
-            raise ConfigError(
-                f"controller state has version {version!r}; this memctl reads version {_STATE_VERSION}"
-            )
-        self._step = int(state["step"])
-        self._budget_spec = parse_budget(state.get("budget"))
-        self._layers = {n: LayerState.from_state_dict(sd) for n, sd in state["layers"].items()}
-        self._batch_size = state.get("batch_size")
-        self._oom_cap = state.get("oom_cap")
-        self._static_bytes = int(state.get("static_bytes", 0))
-        self._activation_budget = state.get("activation_budget")
-        self._fallbacks = int(state.get("fallbacks", 0))
-        alloc = state.get("allocation")
-        self._allocation = dict(alloc) if alloc else None
+        """Restore from :meth:`state_dict`: all checked first, then applied at once
+        (NOTE [ Atomic state restore ]); a rejected state leaves the controller unchanged."""
+        valid = validate_state(state)
+        self._step = valid.step
+        self._budget_spec = valid.budget
+        self._layers = valid.layers
+        self._batch_size = valid.batch_size
+        self._oom_cap = valid.oom_cap
+        self._static_bytes = valid.static_bytes
+        self._activation_budget = valid.activation_budget
+        self._fallbacks = valid.fallbacks
+        self._errors = valid.errors
+        self._allocation = valid.allocation
         self._event("load_state", f"state restored at step {self._step}")
         self._publish()
 
@@ -507,6 +564,8 @@ class Controller:
             "avg_bits": bits_sum / controlled if controlled else 0.0,
             "batch_size": self._batch_size,
             "fallbacks": self._fallbacks,
+            "errors": self._errors,
+            "micro_batches": self._micro_batches,
             "codec": self.config.codec.value,
             "attribution": "lost (torch.compile)" if self._attribution_lost else "modules",
             "allocation": dict(self._allocation) if self._allocation else None,

@@ -9,6 +9,18 @@ root entry) and gradient-accumulation micro-steps. Another controller, or the us
 this controller's pair wherever it sits and puts the others back in order, so two
 controllers in one process never pop each other's hooks.
 
+The window must not outlive the step it serves. A forward under grad that no optimizer
+step follows (validation without ``no_grad``, a forward that raised) would otherwise
+leave the hooks pushed, and every later autograd op of the thread (another model's
+forward) would be packed and counted. So the pack hook captures a tensor only inside
+the model's forward, or outside it while autograd still holds what the model's current
+forward saved (the loss). Any other tensor is saved as it is (plain PyTorch, with the
+in-place check of NOTE [ In-place checks ]) and, when the pack hook runs in the thread
+that opened the window, the hooks leave the stack there and then: the window is closed
+and the next forward of the model opens it again. ``close()`` from another thread
+(``detach()`` from a server or signal thread) cannot touch the owner thread's stack, so
+it makes the hooks inert instead; they remove themselves at that thread's next pack.
+
 NOTE [ Module attribution ]
 Every submodule gets a forward pre-hook that pushes its name and a forward hook (with
 ``always_call=True``) that pops it, so the pack hook attributes a tensor to the innermost
@@ -28,6 +40,9 @@ from typing import Any
 
 import torch
 
+from memctl.controller.copysafe import ControllerHook
+from memctl.controller.versions import SavedRef
+
 __all__ = ["MODEL", "ROOT", "ModuleTracker", "SavedTensorScope"]
 
 _log = logging.getLogger("memctl.controller")
@@ -44,10 +59,13 @@ UnpackFn = Callable[[Any], torch.Tensor]
 class SavedTensorScope:
     """Opens and closes one controller's saved-tensor hooks (see NOTE [ Capture window ])."""
 
-    def __init__(self, pack: PackFn, unpack: UnpackFn) -> None:
-        self._pack = pack
+    def __init__(self, pack: PackFn, unpack: UnpackFn, capturing: Callable[[], bool] | None = None) -> None:
+        self._inner_pack = pack
+        self._pack: PackFn = self._pack_hook  # one bound object: close() finds it by identity
         self._unpack = unpack
+        self._capturing = capturing if capturing is not None else _always
         self._thread: int | None = None
+        self._inert = False
 
     @property
     def is_open(self) -> bool:
@@ -59,16 +77,30 @@ class SavedTensorScope:
             return False
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         self._thread = threading.get_ident()
+        self._inert = False
         return True
+
+    def _pack_hook(self, t: torch.Tensor) -> Any:
+        if not self._inert and self._capturing():
+            return self._inner_pack(t)
+        # Outside the window (NOTE [ Capture window ]): plain PyTorch for this tensor, and
+        # the hooks leave the stack if this is their thread (autograd called us, so we are on top).
+        if self._thread == threading.get_ident():
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if top is not None and top[0] is self._pack:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self._thread = None
+        return SavedRef(t)
 
     def close(self) -> None:
         """Remove this scope's hooks from the stack, leaving any others in their order."""
         if self._thread is None:
             return
         if self._thread != threading.get_ident():
-            _log.warning(
-                "saved-tensor hooks were opened in another thread; they stay there until that "
-                "thread's next step boundary"
+            self._inert = True
+            _log.info(
+                "saved-tensor hooks were opened in another thread: they are inert now and leave "
+                "that thread's stack at its next saved tensor"
             )
             return
         above: list[tuple[PackFn, UnpackFn]] = []
@@ -109,8 +141,9 @@ class ModuleTracker:
         for name, module in model.named_modules():
             if module is model:
                 continue
-            handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-            handles.append(module.register_forward_hook(self._post_hook(name), always_call=True))
+            pre, post = ControllerHook(self._pre_hook(name)), ControllerHook(self._post_hook(name))
+            handles.append(module.register_forward_pre_hook(pre))
+            handles.append(module.register_forward_hook(post, always_call=True))
         return handles
 
     def reset(self) -> None:
@@ -134,3 +167,7 @@ class ModuleTracker:
                 self._stack.pop()
 
         return hook
+
+
+def _always() -> bool:
+    return True

@@ -19,9 +19,11 @@ silently wrong gradients after an in-place op (docs/design.md, "Pack: what is co
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
 second save with the same storage, offset, shape, stride, dtype and version reuses the
-first record. The record holds a weak reference to the first tensor and is reused only
-while that tensor is alive, so a new tensor that happens to reuse a freed address is
-never mistaken for the old one.
+first record. The table holds weak references to both the first tensor and the record,
+and an entry is reused only while both are alive: a new tensor that happens to reuse a
+freed address is never mistaken for the old one, and the table never keeps a record
+alive after autograd has freed it (with gradient accumulation every micro-batch's
+records would otherwise stay until the optimizer step; NOTE [ Micro-batches ]).
 
 NOTE [ ReLU masks ]
 ReLU's backward reads only the sign of its saved output (``result > 0``). Quantising that
@@ -51,7 +53,9 @@ import torch
 from memctl.codecs.base import Codec, Packed
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.hooks import ROOT, ModuleTracker
+from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.stats import LayerStep
+from memctl.controller.versions import SavedRef, check_version
 from memctl.errors import CodecError
 
 __all__ = ["Packer", "Saved"]
@@ -70,7 +74,7 @@ _DedupKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
 
-    __slots__ = ("__weakref__", "data", "device", "dtype", "mask", "shape")
+    __slots__ = ("__weakref__", "data", "device", "dtype", "mask", "owner", "shape", "source", "version")
 
     def __init__(self, data: Packed | torch.Tensor, like: torch.Tensor, mask: Packed | None = None) -> None:
         self.data = data
@@ -78,6 +82,10 @@ class Saved:
         self.shape = like.shape
         self.dtype = like.dtype
         self.device = like.device
+        # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
+        self.source: weakref.ref[torch.Tensor] | None = None
+        self.version = 0
+        self.owner: MicroBatch | None = None
 
 
 class Packer:
@@ -96,8 +104,15 @@ class Packer:
         self._on_fallback = on_fallback
         self._codecs: dict[str, Codec] = {}
         self._param_ptrs: frozenset[int] = frozenset()
-        self._seen: dict[_DedupKey, tuple[weakref.ref[torch.Tensor], Saved]] = {}
-        self._step: dict[str, LayerStep] = {}
+        self._seen: dict[_DedupKey, tuple[weakref.ref[torch.Tensor], weakref.ref[Saved]]] = {}
+        self._micro = MicroBatch()
+        self._done: list[MicroBatch] = []
+        self._step: dict[str, LayerStep] = self._micro.records
+        self._begun: int | None = None
+        self.last_samples = 0
+        """Samples per forward of the last finished step's peak micro-batch."""
+        self.last_micro_batches = 0
+        """Micro-batches (forwards that backward read) in the last finished step."""
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -110,14 +125,37 @@ class Packer:
         self._param_ptrs = frozenset(ptrs)
 
     def begin_step(self, step: int) -> None:
+        if self._begun == step:
+            return  # the window reopened within the step: keep the seed sequence going
+        self._begun = step
         self._seed_base = (step * 0x9E3779B1) & 0xFFFFFFFF
         self._counter = 0
 
+    def begin_forward(self, samples: int) -> None:
+        """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
+        if not self._micro.empty:
+            self._done.append(self._micro)
+            self._micro = MicroBatch([b for b in self._done if b.live])
+            self._step = self._micro.records
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
+        self._micro.samples += samples
+
+    @property
+    def graph_alive(self) -> bool:
+        """True while autograd holds records of the current micro-batch."""
+        return self._micro.live
+
     def finish_step(self) -> dict[str, LayerStep]:
-        """The step's per-layer records; resets them and the de-duplication table."""
-        done, self._step = self._step, {}
+        """The step's per-layer records at its peak micro-batch; resets them and the tables."""
+        peak = peak_basis([*self._done, self._micro])
+        self._done = []
+        self._micro = MicroBatch()
+        self._step = self._micro.records
         self._seen.clear()
-        return done
+        self._begun = None
+        self.last_samples = peak.samples
+        self.last_micro_batches = peak.micro_batches
+        return peak.records
 
     def record(self, layer: str) -> LayerStep:
         rec = self._step.get(layer)
@@ -126,26 +164,43 @@ class Packer:
         return rec
 
     # -- hooks -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Saved | SavedRef | torch.Tensor:
         """Pack hook (see NOTE [ What is compressed ])."""
         if t.layout != torch.strided or t.device.type == "meta":
             return t.detach().clone()
         ptr = t.untyped_storage().data_ptr()
         if ptr in self._param_ptrs:
-            return t
+            return SavedRef(t)  # NOTE [ In-place checks ]
         key: _DedupKey = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
                           t.device, t._version)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is not None:
-            return hit[1]
-        saved = self._pack_new(t, self._tracker.current)
-        self._seen[key] = (weakref.ref(t), saved)
+            again = hit[1]()
+            if again is not None:
+                return again
+        layer = self._tracker.current
+        try:
+            saved = self._pack_new(t, layer)
+        except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
+            self._on_fallback(layer, exc)
+            saved = Saved(t.detach().clone(), t)
+        source = weakref.ref(t)
+        saved.source, saved.version, saved.owner = source, t._version, self._micro
+        self._micro.track(saved)
+        self._seen[key] = (source, weakref.ref(saved))
         return saved
 
-    def unpack(self, saved: Saved | torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         if isinstance(saved, torch.Tensor):
             return saved
+        if isinstance(saved, SavedRef):
+            return saved.unpack()
+        if saved.owner is not None:
+            saved.owner.used = True
+        source = saved.source() if saved.source is not None else None
+        if source is not None:
+            check_version(source, saved.version)
         data = saved.data
         if isinstance(data, torch.Tensor):
             return data

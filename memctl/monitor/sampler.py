@@ -1,10 +1,21 @@
-"""A background thread that samples a memory reader into a bounded history."""
+"""A background thread that samples a memory reader into a bounded history.
+
+NOTE [ Bounded shutdown ]
+A reader can hang (an NVML call on a GPU that stopped answering). ``close()`` runs in
+the controller's ``detach()``, often from the training loop, so it must not wait for
+such a read: it waits at most ``SHUTDOWN_S`` (1 s) in all for the thread to stop and
+for the read in progress to finish. If the read is still running then, the sampler is
+marked closed and returns; the thread that is reading releases the reader itself when
+(if) the read returns, and being a daemon thread it never holds up the interpreter's exit.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -15,7 +26,12 @@ from memctl.monitor.readers import MemoryReader
 from memctl.monitor.sample import MemorySample
 from memctl.monitor.selection import fallback_reader
 
-__all__ = ["Sampler", "SamplerConfig"]
+__all__ = ["SHUTDOWN_S", "Sampler", "SamplerConfig"]
+
+_log = logging.getLogger("memctl.monitor")
+
+SHUTDOWN_S = 1.0
+"""Longest ``Sampler.close()`` waits for a read in progress (NOTE [ Bounded shutdown ])."""
 
 _MIN_INTERVAL_S = 1e-3
 _MAX_INTERVAL_S = 3600.0
@@ -78,6 +94,7 @@ class Sampler:
         self._state_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
+        self._closed = False
 
     @property
     def config(self) -> SamplerConfig:
@@ -128,11 +145,22 @@ class Sampler:
         if thread is not threading.current_thread():
             thread.join(timeout)
 
-    def close(self) -> None:
-        """Stop and release the reader (an NVML handle); later samples are ``None``."""
-        self.stop()
-        with self._read_lock:
+    def close(self, timeout: float = SHUTDOWN_S) -> None:
+        """Stop and release the reader (an NVML handle); later samples are ``None``.
+
+        Returns within ``timeout`` seconds even while a read hangs (NOTE [ Bounded shutdown ]).
+        """
+        deadline = time.monotonic() + timeout
+        self._closed = True
+        self.stop(timeout / 2)
+        if not self._read_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            _log.warning("memctl monitor: a memory read is still running after %.1f s; the sampler "
+                         "thread releases the reader when it returns", timeout)
+            return
+        try:
             reader, self._reader = self._reader, None
+        finally:
+            self._read_lock.release()
         if reader is not None:
             reader.close()
 
@@ -146,6 +174,12 @@ class Sampler:
                 sample: MemorySample | None = reader.read()
             except Exception as exc:
                 sample = self._fail_over(reader, exc)
+            if self._closed:
+                # close() came during this read (NOTE [ Bounded shutdown ]): release the reader here.
+                self._reader = None
+                with contextlib.suppress(Exception):
+                    reader.close()
+                return None
             if sample is not None:
                 with self._buffer_lock:
                     self._buffer.append(sample)

@@ -10,6 +10,7 @@ from torch import nn
 
 import memctl
 from memctl.controller.hooks import ROOT
+from memctl.controller.versions import SavedRef
 from tests.controller.models import CNN, MLP, LSTMModel, TransformerBlock, batch_for, loss_for
 
 MODELS = [MLP, CNN, TransformerBlock, LSTMModel]
@@ -86,7 +87,8 @@ def test_parameters_are_not_compressed_and_saved_as_is() -> None:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     param_saves = [(t, out) for t, out in seen if t.untyped_storage().data_ptr() in params]
     assert param_saves, "a Linear saves its weight"
-    assert all(out is t for t, out in param_saves)
+    # saved as they are, with their version for the in-place check (NOTE [ In-place checks ])
+    assert all(isinstance(out, SavedRef) and out.tensor is t for t, out in param_saves)
     ctl.detach()
 
 

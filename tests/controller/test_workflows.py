@@ -1,0 +1,554 @@
+"""Training workflows that must keep working with a controller attached (issue 9, items 1-4).
+
+Each test says which workflow it covers: copies and saves of an attached model, gradient
+accumulation, autograd's in-place checks, and the capture window of the saved-tensor hooks.
+The step boundary (item 5) and faults are in ``test_faults.py``; monitor shutdown (item 6)
+in ``tests/monitor/test_shutdown.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from torch import nn
+
+import memctl
+from memctl.controller.copysafe import ControllerHook
+from memctl.controller.packing import Saved
+from memctl.errors import ConfigError
+from tests.controller.models import CNN, MLP, batch_for, loss_for
+
+INPLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+def _controller(model: nn.Module, **kw: Any) -> tuple[memctl.Controller, torch.optim.Optimizer]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw.setdefault("monitor_interval_s", 0)
+    kw.setdefault("min_numel", 64)
+    return memctl.Controller(model, opt, **kw), opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, n: int = 16, micro: int = 1, seed: int = 0) -> None:
+    for i in range(micro):
+        x, y = batch_for(model, n=n, seed=seed * 100 + i)
+        (loss_for(model, model(x), y) / micro).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _hook_stack_top() -> object:
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _memctl_hooks(model: nn.Module) -> int:
+    return sum(
+        isinstance(h, ControllerHook)
+        for m in model.modules()
+        for d in (m._forward_pre_hooks, m._forward_hooks)
+        for h in d.values()
+    )
+
+
+def _all_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+# -- 1. copies and saves of an attached model ------------------------------------------
+
+def test_deepcopy_of_attached_model_is_plain_pytorch() -> None:
+    torch.manual_seed(0)
+    model = CNN()
+    ctl, opt = _controller(model)
+    _step(model, opt)
+    clone = copy.deepcopy(model)  # TypeError: cannot pickle '_thread.lock' object before
+    assert _memctl_hooks(clone) == 0
+    packs = ctl._packer.packs
+    x, y = batch_for(clone, n=4)
+    loss_for(clone, clone(x), y).backward()
+    assert ctl._packer.packs == packs, "the copy's forward reached the controller"
+    assert _all_hooks(clone) == 0, "placeholders left the copy's hook dictionaries"
+    # the copy's gradients are plain PyTorch's
+    plain = copy.deepcopy(clone)
+    plain.zero_grad()
+    clone.zero_grad()
+    torch.manual_seed(1)  # the same dropout mask for both
+    loss_for(plain, plain(x), y).backward()
+    torch.manual_seed(1)
+    loss_for(clone, clone(x), y).backward()
+    for a, b in zip(_grads(plain), _grads(clone), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the original is still managed
+    _step(model, opt, seed=1)
+    assert ctl._packer.packs > packs
+    assert ctl.stats()["step"] == 2
+    ctl.detach()
+
+
+def test_averaged_model_ema_of_attached_model() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+    for i in range(3):
+        _step(model, opt, seed=i)
+        ema.update_parameters(model)
+    x, _ = batch_for(model, n=4)
+    with torch.no_grad():
+        out = ema(x)
+    assert out.shape == (4, 10) and torch.isfinite(out).all()
+    assert ctl.stats()["step"] == 3
+    assert ctl.stats()["micro_batches"] == 1
+    assert _memctl_hooks(ema) == 0
+    ctl.detach()
+
+
+def test_pickle_and_torch_save_of_attached_model() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    _step(model, opt)
+    x, _ = batch_for(model, n=4)
+    with torch.no_grad():
+        expected = model(x)
+    restored = pickle.loads(pickle.dumps(model))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for copy_ in (restored, loaded):
+        assert _memctl_hooks(copy_) == 0
+        with torch.no_grad():
+            torch.testing.assert_close(copy_(x), expected)
+        assert _all_hooks(copy_) == 0
+    ctl.detach()
+
+
+def test_a_copy_can_get_its_own_controller() -> None:
+    model = MLP()
+    ctl, opt = _controller(model)
+    clone = copy.deepcopy(model)
+    ctl2, opt2 = _controller(clone)
+    _step(clone, opt2)
+    _step(model, opt)
+    assert ctl.stats()["step"] == 1 and ctl2.stats()["step"] == 1
+    assert ctl.stats()["raw_bytes"] == ctl2.stats()["raw_bytes"] > 0
+    ctl.detach()
+    ctl2.detach()
+
+
+# -- 2. gradient accumulation --------------------------------------------------------
+
+def _spy_on_saved(ctl: memctl.Controller) -> list[tuple[weakref.ref[Saved], int]]:
+    """Weak references to every record the pack hook returns, with its raw bytes."""
+    found: list[tuple[weakref.ref[Saved], int]] = []
+    inner = ctl._scope._inner_pack
+
+    def spy(t: torch.Tensor) -> object:
+        out = inner(t)
+        if isinstance(out, Saved):
+            found.append((weakref.ref(out), t.numel() * t.element_size()))
+        return out
+
+    ctl._scope._inner_pack = spy
+    return found
+
+
+def test_accumulation_frees_each_micro_batch_when_its_backward_ends() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    saved = _spy_on_saved(ctl)
+    for i in range(4):
+        x, y = batch_for(model, n=16, seed=i)
+        loss_for(model, model(x), y).backward()
+        assert saved, "the forward saved nothing"
+        alive = [r for r, _ in saved if r() is not None]
+        assert not alive, f"micro-batch {i}: {len(alive)} records held after its backward"
+        saved.clear()
+    opt.step()
+    opt.zero_grad()
+    ctl.detach()
+
+
+def test_accumulation_counts_live_bytes_per_micro_batch() -> None:
+    torch.manual_seed(0)
+    model_a, model_b = MLP(), MLP()
+    ctl_a, opt_a = _controller(model_a)
+    ctl_b, opt_b = _controller(model_b)
+    for i in range(2):
+        _step(model_a, opt_a, n=16, micro=4, seed=i)  # 4 x 16 per optimizer step
+        _step(model_b, opt_b, n=16, micro=1, seed=i)  # 1 x 16
+    a, b = ctl_a.stats(), ctl_b.stats()
+    assert a["micro_batches"] == 4 and b["micro_batches"] == 1
+    assert a["raw_bytes"] == b["raw_bytes"] > 0  # what one micro-batch holds, not 4x it
+    assert a["packed_bytes"] == b["packed_bytes"]
+    assert ctl_a.batch_size == ctl_b.batch_size == 16  # samples per forward
+    ctl_a.detach()
+    ctl_b.detach()
+
+
+def test_two_forwards_before_one_backward_count_together() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    _step(model, opt, n=16)
+    single = ctl.stats()["raw_bytes"]
+    x1, y1 = batch_for(model, n=16, seed=1)
+    x2, y2 = batch_for(model, n=16, seed=2)
+    (loss_for(model, model(x1), y1) + loss_for(model, model(x2), y2)).backward()
+    opt.step()
+    opt.zero_grad()
+    s = ctl.stats()
+    assert s["micro_batches"] == 2
+    assert s["raw_bytes"] > 1.5 * single  # both graphs were alive at once
+    ctl.detach()
+
+
+def _track_live_bytes(ctl: memctl.Controller) -> dict[str, int]:
+    """Raw bytes of the records autograd still holds, and their peak (from weak references)."""
+    live = {"now": 0, "peak": 0}
+    seen: set[int] = set()
+    inner = ctl._scope._inner_pack
+
+    def release(key: int, nbytes: int) -> None:
+        seen.discard(key)
+        live["now"] -= nbytes
+
+    def spy(t: torch.Tensor) -> object:
+        out = inner(t)
+        if isinstance(out, Saved) and id(out) not in seen:
+            nbytes = t.numel() * t.element_size()
+            seen.add(id(out))
+            weakref.finalize(out, release, id(out), nbytes)
+            live["now"] += nbytes
+            live["peak"] = max(live["peak"], live["now"])
+        return out
+
+    ctl._scope._inner_pack = spy
+    return live
+
+
+def test_oom_split_drops_the_memory_held() -> None:
+    torch.manual_seed(0)
+    model = MLP(d_hidden=256)
+    ctl, _ = _controller(model)
+    live = _track_live_bytes(ctl)
+    peaks: list[int] = []
+
+    def compute_loss(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        loss = loss_for(model, model(x), y)
+        if x.shape[0] > 16:
+            peaks.append(live["peak"])
+            live["peak"] = 0
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return loss
+
+    ctl.guarded_step(compute_loss, batch_for(model, n=64))
+    assert ctl.batch_size == 16
+    full = peaks[0]  # the whole batch's forward, before it ran out of memory
+    assert live["peak"] <= 0.4 * full, (live["peak"], full)  # a quarter of it, not 91%
+    ctl.detach()
+
+
+# -- 3. in-place checks -----------------------------------------------------------------
+
+def _inplace_error(fn: Any) -> str:
+    with pytest.raises(RuntimeError, match=INPLACE) as info:
+        fn()
+    return str(info.value)
+
+
+def _weight_changed(attached: bool) -> str:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl = _controller(model)[0] if attached else None
+    try:
+        x, y = batch_for(model, n=4)
+        loss = loss_for(model, model(x), y)
+        with torch.no_grad():
+            model.fc3.weight.mul_(2.0)
+        return _inplace_error(loss.backward)
+    finally:
+        if ctl is not None:
+            ctl.detach()
+
+
+def test_weight_changed_between_forward_and_backward_raises_like_plain_pytorch() -> None:
+    plain = _weight_changed(attached=False)
+    assert "[torch.FloatTensor [128, 10]], which is output 0 of AsStrided," in plain
+    assert _weight_changed(attached=True) == plain
+
+
+def _backward_across_step(attached: bool) -> str:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model) if attached else (None, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        x, y = batch_for(model, n=4)
+        loss = loss_for(model, model(x), y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        return _inplace_error(loss.backward)
+    finally:
+        if ctl is not None:
+            ctl.detach()
+
+
+def test_backward_twice_across_an_optimizer_step_raises_like_plain_pytorch() -> None:
+    assert _backward_across_step(attached=True) == _backward_across_step(attached=False)
+
+
+def _activation_modified(attached: bool) -> str:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl = _controller(model)[0] if attached else None
+    try:
+        x, _ = batch_for(model, n=32)
+        e = model(x).exp()  # exp saves its output
+        loss = e.sum()
+        with torch.no_grad():
+            e.mul_(2.0)
+        return _inplace_error(loss.backward)
+    finally:
+        if ctl is not None:
+            ctl.detach()
+
+
+def test_activation_modified_in_place_raises_like_plain_pytorch() -> None:
+    plain = _activation_modified(attached=False)
+    assert "which is output 0 of Exp," in plain
+    assert _activation_modified(attached=True) == plain
+
+
+def test_no_false_inplace_errors_with_inplace_relu_and_batchnorm() -> None:
+    torch.manual_seed(0)
+    model = CNN()
+    ctl, opt = _controller(model)
+    for i in range(2):
+        _step(model, opt, seed=i)
+    assert ctl.stats()["step"] == 2
+    ctl.detach()
+
+
+# -- 4. the capture window --------------------------------------------------------------
+
+def test_grad_forward_without_step_does_not_inflate_the_next_step() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    _step(model, opt, n=64)
+    before = ctl.stats()
+    for i in range(4):  # validation without no_grad, a larger batch, no backward
+        x, _ = batch_for(model, n=256, seed=10 + i)
+        model(x)
+    _step(model, opt, n=64, seed=1)
+    after = ctl.stats()
+    assert after["raw_bytes"] == before["raw_bytes"]
+    assert after["batch_size"] == before["batch_size"] == 64
+    assert after["micro_batches"] == 1
+    ctl.detach()
+
+
+class _Flaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLP()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body.act(self.body.fc1(x))
+        if self.fail:
+            raise ValueError("bad sample")
+        return self.body.fc3(self.body.act(self.body.fc2(h)))
+
+
+def test_forward_that_raises_leaves_no_window_behind() -> None:
+    torch.manual_seed(0)
+    model = _Flaky()
+    ctl, opt = _controller(model)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    before = ctl.stats()
+    model.fail = True
+    with pytest.raises(ValueError, match="bad sample"):
+        model(torch.randn(512, 64))
+    model.fail = False
+    # an unrelated model's forward in the same thread is not packed, and the hooks leave
+    other = MLP()
+    packs = ctl._packer.packs
+    other(torch.randn(8, 64)).sum().backward()
+    assert ctl._packer.packs == packs
+    assert _hook_stack_top() is None
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    after = ctl.stats()
+    assert after["raw_bytes"] == before["raw_bytes"] and after["batch_size"] == 32
+    ctl.detach()
+
+
+def test_unrelated_model_after_validation_forward_is_not_packed() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    _step(model, opt)
+    x, _ = batch_for(model, n=16)
+    model(x)  # grad-enabled, no backward, output dropped
+    other = CNN()
+    packs = ctl._packer.packs
+    ox, oy = batch_for(other, n=4)
+    loss_for(other, other(ox), oy).backward()
+    assert ctl._packer.packs == packs
+    assert _hook_stack_top() is None
+    ctl.detach()
+
+
+def test_detach_from_another_thread_leaves_no_hooks_in_the_training_thread() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    ctl, opt = _controller(model)
+    _step(model, opt)
+    x, y = batch_for(model, n=16)
+    loss = loss_for(model, model(x), y)  # the window is open in this thread
+    t = threading.Thread(target=ctl.detach)
+    t.start()
+    t.join()
+    assert not ctl.attached
+    assert _memctl_hooks(model) == 0
+    loss.backward()  # what was saved before detach still unpacks
+    assert all(p.grad is not None for p in model.parameters())
+    packs = ctl._packer.packs
+    model.zero_grad()
+    loss_for(model, model(x), y).backward()  # plain PyTorch now
+    assert ctl._packer.packs == packs
+    assert _hook_stack_top() is None
+
+
+def test_second_controller_on_the_same_model_is_refused() -> None:
+    model = CNN()
+    ctl, _ = _controller(model)
+    with pytest.raises(ConfigError, match=r"already has a memctl\.Controller attached"):
+        memctl.Controller(model, monitor_interval_s=0)
+    with pytest.raises(ConfigError, match=r"already has a memctl\.Controller attached"):
+        memctl.Controller(model.block1, monitor_interval_s=0)  # a part of a managed model
+    ctl.detach()
+    ctl2, opt2 = _controller(model)  # after detach, a new one attaches
+    _step(model, opt2)
+    assert ctl2.stats()["step"] == 1
+    ctl2.detach()
+
+
+# -- property: no memctl hook survives detach -------------------------------------------
+
+class HookLifecycle(RuleBasedStateMachine):
+    """Any sequence of attach/forward/backward/step/raise/eval/detach leaves nothing behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = _Flaky()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.ctl: memctl.Controller | None = None
+        self.retired: list[memctl.Controller] = []
+        self.loss: torch.Tensor | None = None
+
+    def _batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randint(0, 10, (n,))
+
+    @precondition(lambda self: self.ctl is None)
+    @rule()
+    def attach(self) -> None:
+        self.ctl = memctl.Controller(self.model, self.opt, monitor_interval_s=0, min_numel=64)
+
+    @rule(n=st.integers(1, 8))
+    def forward(self, n: int) -> None:
+        x, y = self._batch(n)
+        self.loss = nn.functional.cross_entropy(self.model(x), y)
+
+    @precondition(lambda self: self.loss is not None)
+    @rule()
+    def backward(self) -> None:
+        assert self.loss is not None
+        self.loss.backward()
+        self.loss = None
+
+    @rule()
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+    @rule()
+    def raise_in_forward(self) -> None:
+        self.model.fail = True
+        try:
+            self.model(self._batch(4)[0])
+        except ValueError:
+            pass
+        finally:
+            self.model.fail = False
+
+    @rule(grad=st.booleans())
+    def eval_forward(self, grad: bool) -> None:
+        self.model.eval()
+        with torch.set_grad_enabled(grad):
+            self.model(self._batch(4)[0])
+        self.model.train()
+
+    @precondition(lambda self: self.ctl is not None)
+    @rule(other_thread=st.booleans())
+    def detach(self, other_thread: bool) -> None:
+        assert self.ctl is not None
+        if other_thread:
+            t = threading.Thread(target=self.ctl.detach)
+            t.start()
+            t.join()
+        else:
+            self.ctl.detach()
+            assert _hook_stack_top() is None
+        self.retired.append(self.ctl)
+        self.ctl = None
+
+    @invariant()
+    def detached_means_plain(self) -> None:
+        if self.ctl is not None:
+            return
+        assert _memctl_hooks(self.model) == 0
+        packs = [c._packer.packs for c in self.retired]
+        x, y = self._batch(2)
+        nn.functional.cross_entropy(self.model(x), y).backward()
+        self.model.zero_grad()
+        assert [c._packer.packs for c in self.retired] == packs, "a detached controller packed"
+        assert _hook_stack_top() is None, "a memctl hook is left on autograd's stack"
+
+    def teardown(self) -> None:
+        if self.ctl is not None:
+            self.ctl.detach()
+        self.loss = None
+        self.model(self._batch(2)[0]).sum().backward()  # lets inert hooks leave the stack
+        assert _hook_stack_top() is None
+
+
+TestHookLifecycle = HookLifecycle.TestCase
+TestHookLifecycle.settings = settings(
+    max_examples=25, stateful_step_count=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
