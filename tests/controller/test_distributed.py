@@ -1,0 +1,370 @@
+"""Two CPU ranks over Gloo: DDP and FSDP2 training with a controller on each rank.
+
+One spawn of two processes runs every scenario in turn (keeping the test's cost to one
+start of two interpreters); each rank writes what it saw to a JSON file, and the tests
+below read those files. The rank processes use the codecs' PyTorch reference
+implementation (``codec_impl="reference"``), so no Numba kernel is compiled in them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
+
+WORLD = 2
+STEPS = 6
+BUDGET_STEP = 2  # rank 1 receives a budget PUT during this step
+LAUNCH_TIMEOUT_S = 240.0
+BUDGET = 52 * 2**10  # tight enough that the allocation compresses (static memory is ~28 KiB)
+NEW_BUDGET = 49 * 2**10
+OOM_STEP = 4  # rank 1 alone caps its batch size during this step
+
+
+# -- the rank processes ----------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 4),
+    )
+
+
+class _Checkpointed(torch.nn.Module):
+    """A model whose middle block runs under ``torch.utils.checkpoint``."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.head = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU())
+        self.block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        self.tail = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.head(x)
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.tail(h)
+
+
+def _data(rank: int, step: int, batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each rank draws from its own distribution (rank 1's inputs are 20x wider and shifted)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    scale, shift = (1.0, 0.0) if rank == 0 else (20.0, 3.0)
+    x = torch.randn(batch, 16, generator=g) * scale + shift
+    return x, torch.randn(batch, 4, generator=g)
+
+
+def _options(**extra: Any) -> dict[str, Any]:
+    return {"monitor_interval_s": 0, "min_numel": 256, "group_size": 64, "codec_impl": "reference",
+            "allocation_interval": 2, **extra}
+
+
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    x = torch.cat([t.reshape(-1).double() for t in a])
+    y = torch.cat([t.reshape(-1).double() for t in b])
+    return float(x @ y / (x.norm() * y.norm()))
+
+
+def _put_budget(url: str, value: object) -> int:
+    req = urllib.request.Request(f"{url}/v1/budget", data=json.dumps({"target": value}).encode(),
+                                 method="PUT", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return int(resp.status)
+
+
+def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import memctl
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options(sync_ranks=sync))
+    server = ctl.serve(port=0) if rank == 1 and sync else None
+    steps = []
+    for step in range(STEPS):
+        x, y = _data(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if server is not None and step == BUDGET_STEP:
+            out["put_status"] = _put_budget(server.url, NEW_BUDGET)
+        if sync and rank == 1 and step == OOM_STEP:
+            ctl.lower_batch_estimate(5)
+        opt.step()
+        opt.zero_grad()
+        st = ctl.stats()
+        steps.append({
+            "step": st["step"], "budget": st["budget"], "batch_size": st["batch_size"],
+            "agreed": st["agreed"], "bits": {la["name"]: la["next_bits"] for la in st["layers"]},
+            "vmax": {la["name"]: la["max"] for la in st["layers"]},
+            "sensitivity": {la["name"]: la["sensitivity"] for la in st["layers"]},
+        })
+    out["ddp" if sync else "ddp_unsynced"] = {
+        "steps": steps, "rank": ctl.stats()["rank"], "world_size": ctl.stats()["world_size"],
+        "params": [float(p.detach().double().sum()) for p in model.parameters()],
+    }
+    if server is not None:
+        server.close()
+    ctl.detach()
+
+
+def _fsdp_model(mesh_seed: int = 0) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(mesh_seed)
+    model = _model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    grads = []
+    for p in model.parameters():
+        g = p.grad
+        grads.append((g.to_local() if hasattr(g, "to_local") else g).detach().clone())
+    return grads
+
+
+def _fsdp_run(rank: int, out: dict[str, Any]) -> None:
+    import memctl
+    from memctl.controller.fsdp import storage_key
+
+    plain = _fsdp_model()
+    x, y = _data(rank, 0)
+    torch.nn.functional.mse_loss(plain(x), y).backward()
+    plain_grads = _local_grads(plain)
+
+    model = _fsdp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, **_options(bits=8, bit_choices=(8,), allow_keep=False))
+    compressed: list[int | None] = []
+    inner = ctl._packer._pack_new
+
+    def spy(t: torch.Tensor, layer: str) -> Any:
+        compressed.append(storage_key(t))
+        return inner(t, layer)
+
+    ctl._packer._pack_new = spy  # type: ignore[method-assign]
+    resharded = []
+    for step in range(3):
+        xs, ys = _data(rank, step)
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        # After forward, FSDP has freed the gathered parameters of the inner modules.
+        resharded.append([all(t.untyped_storage().size() == 0 for fp in _fsdp_params(m)
+                              for t in fp.all_gather_outputs)
+                          for m in list(model)[::2]])
+        loss.backward()
+        if step == 0:
+            out["fsdp_cosine"] = _cosine(_local_grads(model), plain_grads)
+        opt.step()
+        opt.zero_grad()
+    fsdp_keys = ctl._packer.fsdp.keys
+    st = ctl.stats()
+    out["fsdp"] = {
+        "compressed": len(compressed),
+        "compressed_params": sum(1 for k in compressed if k in fsdp_keys),
+        "fsdp_keys": len(fsdp_keys),
+        "saved_as_is": st["saved_as_is"],
+        "resharded": resharded,
+        "bits": [la["bits"] for la in st["layers"] if la["bits"] is not None],
+        "agreed": st["agreed"],
+    }
+    ctl.detach()
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any]) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import memctl
+
+    torch.manual_seed(0)
+    ref = DistributedDataParallel(_Checkpointed(reentrant))
+    x, y = _data(rank, 0)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_Checkpointed(reentrant))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, **_options(bits=8, bit_choices=(8,), allow_keep=False))
+    packer = ctl._packer
+    rows = []
+    for step in range(3):
+        xs, ys = _data(rank, step)
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        after_forward = (packer.packs, packer.passed)
+        loss.backward()
+        after_backward = (packer.packs, packer.passed)
+        if step == 0:
+            out[f"ckpt_{reentrant}_cosine"] = _cosine([p.grad for p in model.parameters()], ref_grads)
+        opt.step()
+        opt.zero_grad()
+        rows.append({"forward": after_forward, "backward": after_backward,
+                     "raw_bytes": ctl.stats()["raw_bytes"]})
+    out[f"ckpt_{reentrant}"] = rows
+    out[f"ckpt_{reentrant}_params"] = [float(p.detach().double().sum()) for p in model.parameters()]
+    ctl.detach()
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict[str, Any] = {}
+    try:
+        _ddp_run(rank, out)
+        _ddp_run(rank, out, sync=False)
+        _fsdp_run(rank, out)
+        _checkpoint_run(rank, False, out)
+        _checkpoint_run(rank, True, out)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    finally:
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+# -- the launch ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    outdir = tmp_path_factory.mktemp("ranks")
+    ctx = mp.start_processes(_worker, args=(WORLD, _free_port(), str(outdir)), nprocs=WORLD,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD} rank processes did not finish within {LAUNCH_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    errors = [f"rank {r} failed:\n{res['error']}" for r, res in enumerate(results) if "error" in res]
+    assert not errors, "\n".join(errors)
+    return results
+
+
+# -- DDP: agreement -------------------------------------------------------------------------
+def test_ranks_and_world_size_are_reported(ranks: list[dict[str, Any]]) -> None:
+    assert [r["ddp"]["rank"] for r in ranks] == [0, 1]
+    assert all(r["ddp"]["world_size"] == WORLD for r in ranks)
+
+
+def test_ddp_parameters_stay_in_sync(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["ddp"]["params"] == ranks[1]["ddp"]["params"]
+    for reentrant in (False, True):
+        assert ranks[0][f"ckpt_{reentrant}_params"] == ranks[1][f"ckpt_{reentrant}_params"]
+
+
+def test_local_statistics_differ_but_allocation_and_batch_agree(ranks: list[dict[str, Any]]) -> None:
+    s0, s1 = ranks[0]["ddp"]["steps"], ranks[1]["ddp"]["steps"]
+    # The ranks' data differ, so do the value ranges each one saw ...
+    assert s0[-1]["vmax"]["module.0"] * 5 < s1[-1]["vmax"]["module.0"]
+    # ... yet every step they apply the same bits (a real trade-off, not all kept) and batch size.
+    for a, b in zip(s0, s1, strict=True):
+        assert a["bits"] == b["bits"]
+        assert a["batch_size"] == b["batch_size"] is not None
+        assert a["agreed"] and b["agreed"]
+        assert min(a["bits"].values()) < 32
+    assert any(len(set(a["bits"].values())) > 1 for a in s0)
+
+
+def test_statistics_are_reduced_at_allocation_steps(ranks: list[dict[str, Any]]) -> None:
+    # allocation_interval=2: the boundaries of steps 0, 2, 4 re-solve from reduced statistics.
+    synced = [r["ddp"]["steps"] for r in ranks]
+    unsynced = [r["ddp_unsynced"]["steps"] for r in ranks]
+    for step in (0, 2, 4):
+        assert synced[0][step]["sensitivity"] == synced[1][step]["sensitivity"]
+        assert unsynced[0][step]["sensitivity"] != unsynced[1][step]["sensitivity"]
+    assert not unsynced[0][0]["agreed"]
+
+
+def test_a_rank_that_must_go_lower_takes_every_rank_lower(ranks: list[dict[str, Any]]) -> None:
+    s0, s1 = ranks[0]["ddp"]["steps"], ranks[1]["ddp"]["steps"]
+    assert s0[OOM_STEP - 1]["batch_size"] > 5
+    assert s0[OOM_STEP]["batch_size"] == s1[OOM_STEP]["batch_size"] == 5
+
+
+def test_budget_put_on_rank1_applies_on_both_ranks_at_the_same_step(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[1]["put_status"] == 200
+
+    def first_step_with_new_budget(steps: list[dict[str, Any]]) -> int:
+        return next(s["step"] for s in steps if s["budget"] == NEW_BUDGET)
+
+    s0, s1 = ranks[0]["ddp"]["steps"], ranks[1]["ddp"]["steps"]
+    assert first_step_with_new_budget(s0) == first_step_with_new_budget(s1)
+    assert first_step_with_new_budget(s0) > BUDGET_STEP
+    assert [s["budget"] for s in s0] == [s["budget"] for s in s1]
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------
+def test_fsdp_parameters_are_never_compressed(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        f = r["fsdp"]
+        assert f["fsdp_keys"] > 0
+        assert f["compressed"] > 0
+        assert f["compressed_params"] == 0
+        # The two inner Linears whose input needs a gradient save their weight: 3 steps x 2.
+        assert f["saved_as_is"]["fsdp_parameters"] >= 6
+        assert f["bits"] and all(b == 8 for b in f["bits"])
+
+
+def test_fsdp_frees_gathered_parameters_after_forward(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert all(all(step) for step in r["fsdp"]["resharded"])
+
+
+def test_fsdp_8bit_gradients_match_plain_fsdp(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["fsdp_cosine"] >= 0.9999
+
+
+# -- activation checkpointing ------------------------------------------------------------------
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_regions_are_counted_once(ranks: list[dict[str, Any]], reentrant: bool) -> None:
+    for r in ranks:
+        rows = r[f"ckpt_{reentrant}"]
+        packs_per_step = [row["forward"][0] for row in rows]
+        for row in rows:
+            # Backward (with its recomputation) compresses nothing more ...
+            assert row["backward"][0] == row["forward"][0]
+        passed = [row["backward"][1] - row["forward"][1] for row in rows]
+        if reentrant:
+            # ... and the reentrant recomputation's saves are passed through.
+            assert all(p > 0 for p in passed)
+        assert packs_per_step == [packs_per_step[0] * (i + 1) for i in range(len(rows))]
+        assert len({row["raw_bytes"] for row in rows}) == 1
+        assert r[f"ckpt_{reentrant}_cosine"] >= 0.999
+        assert not math.isnan(r[f"ckpt_{reentrant}_cosine"])
