@@ -120,6 +120,8 @@ def _layer_metrics(layers: list[Mapping[str, Any]]) -> Iterator[Metric]:
 
 def build_registry(view: ControllerView) -> CollectorRegistry:
     """A fresh registry holding one :class:`SnapshotCollector` over ``view``."""
+    from memctl.api.ranks import RankLabels
+
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(view))
+    registry.register(RankLabels(SnapshotCollector(view), view))  # NOTE [ Per-rank series ]
     return registry
