@@ -87,7 +87,7 @@ def _put_budget(url: str, value: object) -> int:
         return int(resp.status)
 
 
-def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True) -> None:
+def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True, base_port: int = 0) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import memctl
@@ -96,12 +96,13 @@ def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True) -> None:
     model = DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctl = memctl.Controller(model, opt, budget=BUDGET, **_options(sync_ranks=sync))
-    server = ctl.serve(port=0) if rank == 1 and sync else None
+    # Every rank serves, at base_port + LOCAL_RANK.
+    server = ctl.serve(port=base_port, port_per_rank=True) if sync else None
     steps = []
     for step in range(STEPS):
         x, y = _data(rank, step)
         torch.nn.functional.mse_loss(model(x), y).backward()
-        if server is not None and step == BUDGET_STEP:
+        if server is not None and rank == 1 and step == BUDGET_STEP:
             out["put_status"] = _put_budget(server.url, NEW_BUDGET)
         if sync and rank == 1 and step == OOM_STEP:
             ctl.lower_batch_estimate(5)
@@ -119,6 +120,9 @@ def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True) -> None:
         "params": [float(p.detach().double().sum()) for p in model.parameters()],
     }
     if server is not None:
+        out["port"] = server.port
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+            out["metrics"] = resp.read().decode()
         server.close()
     ctl.detach()
 
@@ -229,13 +233,13 @@ def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any]) -> None:
     ctl.detach()
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, world: int, port: int, api_port: int, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict[str, Any] = {}
     try:
-        _ddp_run(rank, out)
+        _ddp_run(rank, out, base_port=api_port)
         _ddp_run(rank, out, sync=False)
         _fsdp_run(rank, out)
         _checkpoint_run(rank, False, out)
@@ -248,10 +252,22 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 # -- the launch ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_port(consecutive: int = 1) -> int:
+    """A port such that it and the next ``consecutive - 1`` ones are free (at this moment)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + consecutive > 65535:
+            continue
+        try:
+            for k in range(1, consecutive):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port + k))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free run of ports found")
 
 
 @pytest.fixture(scope="module")
@@ -259,8 +275,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     outdir = tmp_path_factory.mktemp("ranks")
-    ctx = mp.start_processes(_worker, args=(WORLD, _free_port(), str(outdir)), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    args = (WORLD, _free_port(), _free_port(WORLD), str(outdir))
+    ctx = mp.start_processes(_worker, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     try:
         while not ctx.join(timeout=1.0):
@@ -327,6 +343,14 @@ def test_budget_put_on_rank1_applies_on_both_ranks_at_the_same_step(ranks: list[
     assert first_step_with_new_budget(s0) == first_step_with_new_budget(s1)
     assert first_step_with_new_budget(s0) > BUDGET_STEP
     assert [s["budget"] for s in s0] == [s["budget"] for s in s1]
+
+
+def test_each_rank_serves_on_its_port_with_rank_labels(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[1]["port"] == ranks[0]["port"] + 1
+    for rank, r in enumerate(ranks):
+        assert f'memctl_step{{rank="{rank}"}}' in r["metrics"]
+        assert f'memctl_world_size{{rank="{rank}"}} 2.0' in r["metrics"]
+        assert f'rank="{1 - rank}"' not in r["metrics"]
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------
