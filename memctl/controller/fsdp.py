@@ -24,6 +24,7 @@ and which creates the buffers on the first gather) and at every step boundary.
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,7 +50,9 @@ def storage_key(t: torch.Tensor) -> int | None:
 
 def _fsdp_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
     """``(module, FSDPState)`` for every ``fully_shard`` module in ``model`` (none without FSDP2)."""
-    if not torch.distributed.is_available():
+    # A model sharded with fully_shard has imported FSDP already; without it there is nothing
+    # to find, and attaching does not pay for importing FSDP.
+    if not torch.distributed.is_available() or "torch.distributed.fsdp" not in sys.modules:
         return []
     try:
         from torch.distributed.fsdp import FSDPModule
