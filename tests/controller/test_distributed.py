@@ -392,3 +392,38 @@ def test_checkpoint_regions_are_counted_once(ranks: list[dict[str, Any]], reentr
         assert len({row["raw_bytes"] for row in rows}) == 1
         assert r[f"ckpt_{reentrant}_cosine"] >= 0.999
         assert not math.isnan(r[f"ckpt_{reentrant}_cosine"])
+
+
+# -- without a process group (no processes started) -------------------------------------------
+def test_without_a_process_group_a_controller_is_rank_0_of_1() -> None:
+    import memctl
+
+    model = _model()
+    ctl = memctl.Controller(model, monitor_interval_s=0, codec_impl="reference")
+    st = ctl.stats()
+    assert (st["rank"], st["world_size"], st["agreed"]) == (0, 1, True)
+    assert ctl.request_budget("1GiB")["applies_at_step"] == 1
+    ctl.detach()
+
+
+def test_process_group_and_codec_impl_are_checked() -> None:
+    import memctl
+
+    with pytest.raises(memctl.ConfigError, match="process_group"):
+        memctl.Controller(_model(), monitor_interval_s=0, process_group="world")
+    with pytest.raises(memctl.ConfigError, match="codec_impl"):
+        memctl.Controller(_model(), monitor_interval_s=0, codec_impl="numba")
+
+
+def test_reference_codec_impl_is_the_one_the_controller_runs() -> None:
+    import memctl
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, **_options(bits=8, bit_choices=(8,)))
+    x, y = _data(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    assert ctl.stats()["ratio"] > 2.0
+    assert ctl._packer._codecs["quantize"]._impl == "reference"  # type: ignore[union-attr]
+    ctl.detach()
