@@ -199,22 +199,42 @@ def _fsdp_params(module: torch.nn.Module) -> list[Any]:
     return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
 
 
-def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any]) -> None:
-    from torch.nn.parallel import DistributedDataParallel
+def _wrap(model: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
+    if not fsdp:
+        from torch.nn.parallel import DistributedDataParallel
 
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        fully_shard(child)
+    return fully_shard(model)
+
+
+def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any], fsdp: bool = False) -> None:
     import memctl
+    from memctl.controller.fsdp import storage_key
 
+    key = f"ckpt_{'fsdp' if fsdp else 'ddp'}_{reentrant}"
     torch.manual_seed(0)
-    ref = DistributedDataParallel(_Checkpointed(reentrant))
+    ref = _wrap(_Checkpointed(reentrant), fsdp)
     x, y = _data(rank, 0)
     torch.nn.functional.mse_loss(ref(x), y).backward()
-    ref_grads = [p.grad.detach().clone() for p in ref.parameters()]
+    ref_grads = _local_grads(ref)
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(_Checkpointed(reentrant))
+    model = _wrap(_Checkpointed(reentrant), fsdp)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctl = memctl.Controller(model, opt, **_options(bits=8, bit_choices=(8,), allow_keep=False))
     packer = ctl._packer
+    compressed: list[int | None] = []
+    inner = packer._pack_new
+
+    def spy(t: torch.Tensor, layer: str) -> Any:
+        compressed.append(storage_key(t))
+        return inner(t, layer)
+
+    packer._pack_new = spy  # type: ignore[method-assign]
     rows = []
     for step in range(3):
         xs, ys = _data(rank, step)
@@ -223,13 +243,15 @@ def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any]) -> None:
         loss.backward()
         after_backward = (packer.packs, packer.passed)
         if step == 0:
-            out[f"ckpt_{reentrant}_cosine"] = _cosine([p.grad for p in model.parameters()], ref_grads)
+            out[f"{key}_cosine"] = _cosine(_local_grads(model), ref_grads)
         opt.step()
         opt.zero_grad()
         rows.append({"forward": after_forward, "backward": after_backward,
                      "raw_bytes": ctl.stats()["raw_bytes"]})
-    out[f"ckpt_{reentrant}"] = rows
-    out[f"ckpt_{reentrant}_params"] = [float(p.detach().double().sum()) for p in model.parameters()]
+    out[key] = rows
+    out[f"{key}_compressed_params"] = sum(1 for k in compressed if k in packer.fsdp.keys)
+    if not fsdp:
+        out[f"{key}_params"] = [float(p.detach().double().sum()) for p in model.parameters()]
     ctl.detach()
 
 
@@ -242,8 +264,9 @@ def _worker(rank: int, world: int, port: int, api_port: int, outdir: str) -> Non
         _ddp_run(rank, out, base_port=api_port)
         _ddp_run(rank, out, sync=False)
         _fsdp_run(rank, out)
-        _checkpoint_run(rank, False, out)
-        _checkpoint_run(rank, True, out)
+        for fsdp in (False, True):
+            for reentrant in (False, True):
+                _checkpoint_run(rank, reentrant, out, fsdp=fsdp)
     except Exception:
         out["error"] = traceback.format_exc()
     finally:
@@ -301,7 +324,7 @@ def test_ranks_and_world_size_are_reported(ranks: list[dict[str, Any]]) -> None:
 def test_ddp_parameters_stay_in_sync(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["ddp"]["params"] == ranks[1]["ddp"]["params"]
     for reentrant in (False, True):
-        assert ranks[0][f"ckpt_{reentrant}_params"] == ranks[1][f"ckpt_{reentrant}_params"]
+        assert ranks[0][f"ckpt_ddp_{reentrant}_params"] == ranks[1][f"ckpt_ddp_{reentrant}_params"]
 
 
 def test_local_statistics_differ_but_allocation_and_batch_agree(ranks: list[dict[str, Any]]) -> None:
@@ -376,10 +399,13 @@ def test_fsdp_8bit_gradients_match_plain_fsdp(ranks: list[dict[str, Any]]) -> No
 
 
 # -- activation checkpointing ------------------------------------------------------------------
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_regions_are_counted_once(ranks: list[dict[str, Any]], reentrant: bool) -> None:
+def test_checkpoint_regions_are_counted_once(ranks: list[dict[str, Any]], wrapper: str,
+                                             reentrant: bool) -> None:
+    key = f"ckpt_{wrapper}_{reentrant}"
     for r in ranks:
-        rows = r[f"ckpt_{reentrant}"]
+        rows = r[key]
         packs_per_step = [row["forward"][0] for row in rows]
         for row in rows:
             # Backward (with its recomputation) compresses nothing more ...
@@ -390,8 +416,9 @@ def test_checkpoint_regions_are_counted_once(ranks: list[dict[str, Any]], reentr
             assert all(p > 0 for p in passed)
         assert packs_per_step == [packs_per_step[0] * (i + 1) for i in range(len(rows))]
         assert len({row["raw_bytes"] for row in rows}) == 1
-        assert r[f"ckpt_{reentrant}_cosine"] >= 0.999
-        assert not math.isnan(r[f"ckpt_{reentrant}_cosine"])
+        assert r[f"{key}_cosine"] >= 0.999
+        assert not math.isnan(r[f"{key}_cosine"])
+        assert r[f"{key}_compressed_params"] == 0
 
 
 # -- without a process group (no processes started) -------------------------------------------
