@@ -14,7 +14,7 @@ tensor, issued at the step boundary in the same order on every rank:
   other slots hold +inf, so the MIN is an all-gather), and after a re-solve each layer's
   bits and error bound with their negations (so MIN yields both the minimum and maximum);
   every rank adopts the minimum bits, which is never more memory than any rank's own answer;
-- at an allocation step, before solving, a MIN all-reduce of six values checks that the
+- at an allocation step, before solving, a MIN all-reduce of eight values checks that the
   ranks' layer tables agree (count, CRC of the names and of the saved-tensor counts), then
   one SUM all-reduce (mean ‖∇Y‖² and mean group-range term per layer: the averaged
   gradient's added variance is the mean of the ranks') and one MAX all-reduce (saved sizes,
