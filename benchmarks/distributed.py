@@ -92,6 +92,11 @@ def _rank(rank: int, world: int, port: int, config: str, args: dict[str, Any], o
     if ctl is not None:
         st = ctl.stats()
         result.update(ratio=st["ratio"], avg_bits=st["avg_bits"], agreed=st["agreed"])
+        ranks = ctl._ranks  # the agreement's own all-reduces, over every step including warm-up
+        if ranks is not None and ranks.collectives:
+            steps = args["warmup"] + args["steps"]
+            result.update(sync_ms_per_step=ranks.collective_s * 1e3 / steps,
+                          collectives_per_step=ranks.collectives / steps)
         ctl.detach()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -151,6 +156,9 @@ def main() -> None:
             extra = ""
             if "ratio" in res:
                 extra = f"  ratio {res['ratio']:.1f}x  {res['avg_bits']:.2f} bits  agreed {res['agreed']}"
+            if "sync_ms_per_step" in res:
+                extra += (f"  agreement {res['sync_ms_per_step']:.2f} ms/step "
+                          f"({res['collectives_per_step']:.2f} all-reduces/step)")
             print(f"round {r}  {config:<12} median {res['median_ms']:8.2f} ms  "
                   f"mean {res['mean_ms']:8.2f} ms  rank-0 peak RSS {res['max_rss_mib']:7.0f} MiB{extra}",
                   flush=True)

@@ -36,6 +36,7 @@ on the current CUDA device.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from typing import Any
 
@@ -112,6 +113,7 @@ class RankSync:
         self.device = _collective_device(group)
         self.agreed = True
         self.collectives = 0
+        self.collective_s = 0.0  # wall time spent in this controller's all-reduces
         self._sent = 0
         self._winner: tuple[bool, BudgetSpec | None, int] | None = None
         self._layout: list[str] | None = None
@@ -220,21 +222,27 @@ class RankSync:
     # -- collectives ---------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: str) -> list[float]:
         dist = _dist()
+        start = time.perf_counter()
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=_op(op), group=self._group)
+        out = [float(v) for v in t.cpu().tolist()]
         self.collectives += 1
-        return [float(v) for v in t.cpu().tolist()]
+        self.collective_s += time.perf_counter() - start
+        return out
 
     def _all_reduce_pair(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
         dist = _dist()
+        start = time.perf_counter()
         a = torch.tensor(sums or [0.0], dtype=torch.float64, device=self.device)
         b = torch.tensor(maxima, dtype=torch.float64, device=self.device)
         wa = dist.all_reduce(a, op=_op("sum"), group=self._group, async_op=True)
         wb = dist.all_reduce(b, op=_op("max"), group=self._group, async_op=True)
         wa.wait()
         wb.wait()
+        out = a.cpu().tolist(), b.cpu().tolist()
         self.collectives += 2
-        return a.cpu().tolist(), b.cpu().tolist()
+        self.collective_s += time.perf_counter() - start
+        return out
 
 
 def _op(name: str) -> Any:
