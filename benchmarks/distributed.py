@@ -48,6 +48,12 @@ def _rank(rank: int, world: int, port: int, config: str, args: dict[str, Any], o
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     torch.set_num_threads(args["threads"])
+    if "+memctl" in config and not cuda:
+        # The codecs' Numba kernels follow the same thread budget (two ranks on two cores
+        # with two Numba threads each stall in every parallel region).
+        import numba
+
+        numba.set_num_threads(min(args["threads"], numba.config.NUMBA_NUM_THREADS))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = [torch.nn.Linear(args["features"], args["width"]), torch.nn.ReLU()]
@@ -131,7 +137,7 @@ def main() -> None:
     p.add_argument("--features", type=int, default=256)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (1)")
+    p.add_argument("--threads", type=int, default=1, help="torch and Numba threads per rank (1)")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated, from {CONFIGS + EXTRA_CONFIGS}")
     ns = p.parse_args()
