@@ -115,10 +115,10 @@ def test_ddp_example_two_cpu_ranks(runs: dict[str, Any]) -> None:
     rc, out = runs["ddp"].wait()
     assert rc == 0, out
     assert "DDP over 2 process(es), backend gloo" in out, out
-    assert len(re.findall(r"serves the memctl API at http://127\.0\.0\.1:\d+", out)) == 1, out
-    assert re.search(r"rank 0 serves the memctl API", out), out
+    assert len(re.findall(r"serves the memctl API at http://127\.0\.0\.1:\d+", out)) == 2, out
     for rank in (0, 1):
-        assert re.search(rf"^rank {rank}: 2 steps .*budget 64\.00 MiB", out, re.M), out
+        assert re.search(rf"rank {rank} serves the memctl API", out), out
+        assert re.search(rf"^rank {rank}: 2 steps .*budget 64\.00 MiB.*agreed True", out, re.M), out
     assert "parameters in sync across 2 rank(s): True" in out, out
 
 
@@ -227,3 +227,37 @@ def test_kubernetes_job_secret_and_service_fit_together() -> None:
     args = container["args"]
     assert args[args.index("--host") + 1] == "0.0.0.0"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_kubernetes_torchrun_job_serves_one_port_per_rank() -> None:
+    service, job = _yaml(DEPLOY / "kubernetes" / "job-torchrun.yaml")
+    (secret,) = _yaml(DEPLOY / "kubernetes" / "secret.example.yaml")
+    pod = job["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    args = container["args"]
+    ranks = int(next(a for a in args if a.startswith("--nproc_per_node=")).split("=")[1])
+    assert container["command"] == ["python", "-m", "torch.distributed.run"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert (ROOT / next(a for a in args if a.endswith(".py"))).is_file()  # the script torchrun starts
+    base = int(args[args.index("--port") + 1])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == ranks
+    # one named port per rank at base + LOCAL_RANK, in the pod and in the Service
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        f"rank-{r}": base + r for r in range(ranks)
+    }
+    assert {p["targetPort"]: p["port"] for p in service["spec"]["ports"]} == {
+        f"rank-{r}": base + r for r in range(ranks)
+    }
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (token,) = [e for e in container["env"] if e["name"] == "MEMCTL_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+def test_grafana_dashboard_shows_one_series_per_rank() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "memctl.json").read_text())
+    assert "rank" in {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            aggregated = target["expr"].startswith(("max by", "sum by", "min by"))
+            assert aggregated or 'rank=~"$rank"' in target["expr"], target["expr"]
+            assert aggregated or "{{rank}}" in target["legendFormat"], target

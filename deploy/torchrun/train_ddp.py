@@ -1,10 +1,10 @@
-"""DistributedDataParallel training with one memctl Controller per rank.
+"""DistributedDataParallel (or FSDP2) training with one memctl Controller per rank.
 
 Run on CPU (gloo, two processes)::
 
     torchrun --nproc_per_node=2 deploy/torchrun/train_ddp.py --steps 5 --device cpu
 
-or on every GPU of a node (NCCL, one process per GPU)::
+or on every GPU of a node (NCCL, one process per GPU), with ``--fsdp`` for ``fully_shard``::
 
     torchrun --nproc_per_node=gpu deploy/torchrun/train_ddp.py --steps 1000 --budget 75%
 
@@ -18,10 +18,15 @@ and the parameters are the same tensors), but on the inner module the layer name
 model's own ("features.0.0", not "module.features.0.0"), so controller checkpoints and the API's
 per-layer names match a single-process run of the same model.
 
-Only rank 0 serves the HTTP API. A budget changed through it (``PUT /v1/budget``) reaches rank 0
-only, so after every step rank 0 broadcasts the budget in force and the other ranks queue it
-too (it applies on them one step later). Every rank keeps the same per-rank batch size, as DDP
-needs the ranks to take the same number of steps; ``ctl.batch_size`` (what would fit) is logged.
+Under FSDP2 (``--fsdp``) the controller attaches to the ``fully_shard`` model itself: there is no
+wrapper, and FSDP's gathered parameters are saved as they are, never compressed.
+
+The controllers agree through the default process group (NOTE [ Agreement across ranks ] in
+memctl/controller/distributed.py): the same allocation and ``ctl.batch_size`` on every rank, and
+a budget changed through any rank's API (``PUT /v1/budget``) applied on every rank at the same
+step. Every rank serves its API at ``--port`` + LOCAL_RANK, and its ``/metrics`` label every
+series with its ``rank``. The per-rank batch size stays fixed here (DDP needs every rank to take
+the same number of steps); ``ctl.batch_size`` (what would fit, agreed) is logged.
 """
 
 from __future__ import annotations
@@ -56,8 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", default=None, help="per-rank device budget, e.g. '12GiB' or '75%%' (none)")
     p.add_argument("--bits", type=float, default=2.0, help="average bits per value without a budget (2)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="rank 0's API address; a non-loopback one needs MEMCTL_TOKEN")
-    p.add_argument("--port", type=int, default=8765, help="rank 0's API port, 0 for any free one (8765)")
+                   help="the API address; a non-loopback one needs MEMCTL_TOKEN")
+    p.add_argument("--port", type=int, default=8765,
+                   help="base API port: each rank serves at PORT + LOCAL_RANK; 0 for any free one (8765)")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--no-serve", action="store_true", help="no HTTP API at all")
     p.add_argument("--batch-size", type=int, default=32, help="batch size per rank (32)")
     p.add_argument("--image-size", type=int, default=16, help="image height and width (16)")
@@ -91,17 +98,10 @@ def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def sync_budget(ctl: memctl.Controller, rank: int) -> None:
-    """Rank 0's budget in force (the API may have changed it) is queued on every other rank."""
-    box: list[object] = [ctl.stats()["budget"] if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if rank != 0 and box[0] != ctl.stats()["budget"]:
-        ctl.set_budget(box[0])
-
-
 def params_in_sync(model: nn.Module) -> bool:
-    """True when every rank holds the same parameters (DDP's all-reduce at work)."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    """True when every rank holds the same parameters (DDP's all-reduce; FSDP's gathered shards)."""
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in full])
     lo, hi = flat.clone(), flat.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -113,22 +113,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world, device = init_distributed(args.device)
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = SmallCNN().to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp: nn.Module
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for stage in model.features:
+            if any(True for _ in stage.parameters()):
+                fully_shard(stage)  # each stage's parameters are gathered only while it runs
+        ddp = fully_shard(model)
+        attach_to = model
+    else:
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        attach_to = ddp.module  # NOTE [ One controller per rank ]: attach to the wrapped module.
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    # NOTE [ One controller per rank ]: attach to the wrapped module.
-    ctl = memctl.Controller(ddp.module, optimizer, budget=args.budget, bits=args.bits, device=device)
+    ctl = memctl.Controller(attach_to, optimizer, budget=args.budget, bits=args.bits, device=device)
     if rank == 0:
-        print(f"memctl {memctl.__version__}: DDP over {world} process(es), backend {dist.get_backend()}, "
-              f"device {device}, budget {args.budget or 'none'}", flush=True)
+        print(f"memctl {memctl.__version__}: {'FSDP2' if args.fsdp else 'DDP'} over {world} process(es), "
+              f"backend {dist.get_backend()}, device {device}, budget {args.budget or 'none'}", flush=True)
     failed = torch.zeros(1)
-    if rank == 0 and not args.no_serve:
+    if not args.no_serve:
         try:
-            handle = ctl.serve(host=args.host, port=args.port)
-            print(f"rank 0 serves the memctl API at {handle.url}", flush=True)
+            handle = ctl.serve(host=args.host, port=args.port, port_per_rank=True)
+            print(f"rank {rank} serves the memctl API at {handle.url}", flush=True)
         except memctl.MemctlError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
             failed += 1
-    dist.all_reduce(failed)  # every rank stops together if rank 0 could not serve
+    dist.all_reduce(failed)  # every rank stops together if one could not serve
     if failed.item():
         ctl.detach()
         del ddp  # see the note at the end of main
@@ -147,7 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss.backward()  # DDP all-reduces gradients; memctl unpacks the compressed activations
             optimizer.step()  # the controller's step runs on the optimizer's post-hook
             optimizer.zero_grad(set_to_none=True)
-            sync_budget(ctl, rank)
             step += 1
             if rank == 0 and (step == 1 or step % args.log_every == 0):
                 s = ctl.stats()
@@ -161,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - t0
     s = ctl.stats()
     print(f"rank {rank}: {s['step']} steps in {elapsed:.1f} s, ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} "
-          f"bits/value, budget {format_bytes(s['budget_bytes'])}, fallbacks {s['fallbacks']}", flush=True)
+          f"bits/value, budget {format_bytes(s['budget_bytes'])}, batch size {s['batch_size']}, "
+          f"agreed {s['agreed']}, fallbacks {s['fallbacks']}", flush=True)
     ctl.detach()
     in_sync = params_in_sync(model)
     if rank == 0:

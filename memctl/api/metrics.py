@@ -31,6 +31,8 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("memctl_budget_bytes", "budget_bytes", "Device memory budget in force, in bytes."),
     ("memctl_activation_budget_bytes", "activation_budget_bytes", "Part of the budget left for activations."),
     ("memctl_batch_size", "batch_size", "Batch size in force."),
+    ("memctl_world_size", "world_size", "Ranks in the controller's process group (1 without one)."),
+    ("memctl_allocation_agreed", "agreed", "1 when every rank applies the same allocation and batch size."),
 )
 # (metric name, MemorySample key, help text) for the device gauges, labelled by device and reader.
 _DEVICE_GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -120,6 +122,8 @@ def _layer_metrics(layers: list[Mapping[str, Any]]) -> Iterator[Metric]:
 
 def build_registry(view: ControllerView) -> CollectorRegistry:
     """A fresh registry holding one :class:`SnapshotCollector` over ``view``."""
+    from memctl.api.ranks import RankLabels
+
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(view))
+    registry.register(RankLabels(SnapshotCollector(view), view))  # NOTE [ Per-rank series ]
     return registry

@@ -103,6 +103,9 @@ class StatsResponse(_Model):
     allocation: AllocationModel | None
     fallbacks: int
     events: list[EventModel]
+    rank: int | None = None
+    world_size: int = 1
+    agreed: bool = True  # every rank applies the same allocation and batch size
 
 
 class LayersResponse(_Model):

@@ -34,7 +34,7 @@ __all__ = [
 SNAPSHOT_KEYS = (
     "step", "budget", "budget_bytes", "activation_budget_bytes", "static_bytes", "raw_bytes",
     "packed_bytes", "other_bytes", "ratio", "avg_bits", "batch_size", "fallbacks", "allocation",
-    "events", "layers", "memory",
+    "events", "layers", "memory", "rank", "world_size", "agreed",
 )
 #: Keys of ``snapshot()["allocation"]`` when it is not ``None``.
 ALLOCATION_KEYS = ("solver", "status", "time_ms", "objective", "feasible", "step")
@@ -101,6 +101,11 @@ class ControllerView(Protocol):
           weight C_l, docs/design.md, "Sensitivity").
         - ``memory`` (Mapping | None): the latest monitor sample,
           :meth:`memctl.monitor.MemorySample.to_dict`, or ``None`` before the first.
+        - ``rank`` (int | None): this process's rank in the controller's process group (0
+          without one); ``None`` for a view that is no rank's. Metrics carry it as a label.
+        - ``world_size`` (int): ranks in the group (1 without one).
+        - ``agreed`` (bool): every rank applies the same allocation and batch size
+          (NOTE [ Agreement across ranks ] in ``memctl/controller/distributed.py``).
         """
         ...
 
@@ -151,6 +156,7 @@ def empty_snapshot() -> dict[str, Any]:
         "static_bytes": 0, "raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0, "ratio": 1.0,
         "avg_bits": 32.0, "batch_size": None,
         "fallbacks": 0, "allocation": None, "events": [], "layers": [], "memory": None,
+        "rank": None, "world_size": 1, "agreed": True,
     }
 
 

@@ -60,6 +60,11 @@ class ControllerConfig:
         max_events: how many recent events are kept.
         monitor_interval_s: sampling interval of the memory monitor thread (0 disables it).
         monitor_history: number of monitor samples kept.
+        codec_impl: which codec implementation runs (``"reference"``, ``"cpu"``,
+            ``"cuda"``; ``None``: the Numba kernel for the tensor's device). The PyTorch
+            reference needs no JIT compilation, which suits short-lived processes.
+        sync_ranks: with a ``torch.distributed`` process group, agree on the allocation,
+            batch size and budget across ranks (NOTE [ Agreement across ranks ]).
     """
 
     bits: float = 2.0
@@ -82,6 +87,8 @@ class ControllerConfig:
     max_events: int = 200
     monitor_interval_s: float = 1.0
     monitor_history: int = 600
+    codec_impl: str | None = None
+    sync_ranks: bool = True
 
     def __post_init__(self) -> None:
         allowed_bits = (1, 2, 4, 8)
@@ -122,6 +129,16 @@ class ControllerConfig:
                 f"monitor_interval_s={self.monitor_interval_s!r}: must be >= 0 (0 disables the monitor)"
             )
         _positive_int("monitor_history", self.monitor_history)
+        impls = ("reference", "cpu", "cuda")
+        if self.codec_impl is not None:
+            value = getattr(self.codec_impl, "value", self.codec_impl)
+            if value not in impls:
+                raise ConfigError(
+                    f"codec_impl={self.codec_impl!r}: expected one of {impls} or None (automatic)"
+                )
+            object.__setattr__(self, "codec_impl", value)
+        if not isinstance(self.sync_ranks, bool):
+            raise ConfigError(f"sync_ranks={self.sync_ranks!r}: must be True or False")
 
 
 def _member(name: str, value: object, kind: type[enum.Enum]) -> enum.Enum:

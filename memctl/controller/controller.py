@@ -38,6 +38,7 @@ from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, res
 from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.copysafe import ControllerHook, managing_hooks
 from memctl.controller.device import resolve_device
+from memctl.controller.distributed import RankSync, local_rank, rank_info, resolve_group
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.state import STATE_VERSION, validate_state
@@ -71,6 +72,9 @@ class Controller:
         bits: average bits per compressed value when there is no budget.
         config: a full :class:`ControllerConfig`; keyword overrides are applied on top.
         device: the device whose memory the budget is about (default: the model's).
+        process_group: the ``torch.distributed`` group whose ranks agree on the allocation,
+            batch size and budget (default: the default group once initialised; see
+            NOTE [ Agreement across ranks ] in ``distributed.py``).
         **overrides: any :class:`ControllerConfig` field, e.g. ``min_numel=1024``.
     """
 
@@ -83,6 +87,7 @@ class Controller:
         bits: float | None = None,
         config: ControllerConfig | None = None,
         device: torch.device | str | None = None,
+        process_group: object = None,
         **overrides: Any,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -142,6 +147,10 @@ class Controller:
         self._server: ServerHandle | None = None
         self._monitor: Sampler | None = None
         self._snapshot: Mapping[str, Any] = MappingProxyType({})
+        group = resolve_group(process_group) if self.config.sync_ranks else None
+        self._ranks: RankSync | None = RankSync(group) if group is not None else None
+        if self._ranks is not None and self._ranks.world_size < 2:
+            self._ranks = None
         self._attach()
         self._publish()
 
@@ -153,6 +162,7 @@ class Controller:
         self._handles.append(model.register_forward_pre_hook(on_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(on_end, always_call=True))
         self._handles.extend(self._tracker.attach(model))
+        self._handles.extend(self._packer.fsdp.attach(model))
         for name, module in model.named_modules():
             if module is model or not any(True for _ in module.parameters(recurse=False)):
                 continue
@@ -178,6 +188,7 @@ class Controller:
             h.remove()
         self._handles.clear()
         self._tracker.reset()
+        self._packer.fsdp.detach()
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
@@ -314,12 +325,19 @@ class Controller:
         }
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
         self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
-        self._budget_changed |= self._apply_pending()
-        if records and (self._budget_changed or self._allocation is None
-                        or self._step % self.config.allocation_interval == 0):
+        ranks = self._ranks
+        self._budget_changed |= self._apply_pending() if ranks is None else ranks.apply_budget(self)
+        solved = False
+        due = self._budget_changed or self._allocation is None or (
+            self._step % self.config.allocation_interval == 0)
+        # With ranks, every rank takes this branch alike (NOTE [ Agreement across ranks ]).
+        if (records or ranks is not None) and due and (ranks is None or ranks.reduce_statistics(self)):
             self._reallocate(reason="budget change" if self._budget_changed else "interval")
             self._budget_changed = False
+            solved = True
         self._update_batch_size(batch)
+        if ranks is not None:
+            ranks.end_step(self, solved)
         self._packer.set_parameters(self.model)
         self._step += 1
         self._probing = self._wants_gradients()
@@ -476,18 +494,23 @@ class Controller:
         return {
             "target": spec.to_json() if spec else None,
             "target_bytes": target_bytes,
-            "applies_at_step": self._step + 1,
+            "applies_at_step": self._step + (1 if self._ranks is None else 2),
             "status": "pending",
         }
 
     def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
-              **options: Any) -> ServerHandle:
+              port_per_rank: bool = False, **options: Any) -> ServerHandle:
         """Serve the HTTP API in a daemon thread; returns a handle with ``.url`` and ``.close()``.
 
-        ``options`` go to :func:`memctl.api.serve` (``allowed_hosts``, ``token_for_reads``,
-        ``request_timeout_s``, ...)."""
+        With ``port_per_rank=True`` (and a port other than 0) each process of a node binds
+        ``port + LOCAL_RANK``, so every rank of a torchrun job can serve. ``options`` go to
+        :func:`memctl.api.serve` (``allowed_hosts``, ``token_for_reads``,
+        ``request_timeout_s``, ...).
+        """
         from memctl.api.server import serve
 
+        if port_per_rank and port:
+            port += local_rank()
         if self._server is not None:
             self._server.close()
         self._server = serve(self, host=host, port=port, token=token,
@@ -571,6 +594,8 @@ class Controller:
             "allocation": dict(self._allocation) if self._allocation else None,
             "events": [dict(e) for e in self._events],
             "memory": memory_sample.to_dict() if memory_sample is not None else None,
+            **rank_info(self._ranks),
+            "saved_as_is": {"tensors": self._packer.passed, "fsdp_parameters": self._packer.fsdp_passed},
             "layers": [
                 {
                     "name": s.name,

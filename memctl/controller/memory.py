@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from memctl.controller.fsdp import local_tensor
+
 __all__ = ["device_total_bytes", "model_device", "static_bytes", "tensor_bytes"]
 
 
@@ -49,7 +51,7 @@ def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     for t in tensors:
         if t.device.type == "meta":
             continue
-        storage = t.untyped_storage()
+        storage = local_tensor(t).untyped_storage()  # a DTensor's own storage cannot be read
         key = (str(t.device), storage.data_ptr())
         if key in seen:
             continue

@@ -34,6 +34,17 @@ positive values (the lossless codec's bit-packed bool), and decoding puts every 
 value back above zero and every zero at exactly zero. The same record serves the next
 layer, which reads the quantised values (ActNN keeps such a mask too).
 
+NOTE [ Distributed parameters and recomputation ]
+- FSDP2's unsharded parameters are recognised through FSDP's own parameter objects
+  (NOTE [ FSDP2 parameters ] in fsdp.py) and saved as they are, like parameters.
+- A tensor saved while the autograd engine runs a backward node (the recomputation of a
+  reentrant ``torch.utils.checkpoint`` region, or a hook that saves for a double
+  backward) is used within that backward: it is passed through, neither compressed nor
+  counted, so a recomputed region is never accounted twice. Non-reentrant checkpoints
+  push their own hooks above these and keep their tensors themselves.
+``passed`` counts tensors saved as they are (parameters and recomputation) and
+``fsdp_passed`` the FSDP2 parameters among them.
+
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
 logged (a warning the first time per layer), and training goes on.
@@ -50,8 +61,9 @@ from typing import Any
 
 import torch
 
-from memctl.codecs.base import Codec, Packed
+from memctl.codecs.base import Codec, Impl, Packed
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
+from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.stats import LayerStep
@@ -116,13 +128,18 @@ class Packer:
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
+        self.passed = 0
+        self.fsdp_passed = 0
+        self.fsdp = FsdpParameters()
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
         """Remember the storages of the model's parameters and buffers."""
-        ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        ptrs |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+        ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
+        ptrs |= {local_tensor(b).untyped_storage().data_ptr() for b in model.buffers()}
         self._param_ptrs = frozenset(ptrs)
+        if self.fsdp.active:
+            self.fsdp.refresh()
 
     def begin_step(self, step: int) -> None:
         if self._begun == step:
@@ -168,8 +185,16 @@ class Packer:
         """Pack hook (see NOTE [ What is compressed ])."""
         if t.layout != torch.strided or t.device.type == "meta":
             return t.detach().clone()
-        ptr = t.untyped_storage().data_ptr()
+        if torch._C._current_autograd_node() is not None:
+            self.passed += 1  # NOTE [ Distributed parameters and recomputation ]
+            return t
+        if self.fsdp.active and self.fsdp.contains(t):
+            self.passed += 1
+            self.fsdp_passed += 1
+            return t
+        ptr = local_tensor(t).untyped_storage().data_ptr()
         if ptr in self._param_ptrs:
+            self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
         key: _DedupKey = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
                           t.device, t._version)
@@ -309,5 +334,24 @@ class Packer:
             config: dict[str, Any] = {}
             if name in ("quantize", "errorbound"):
                 config["group_size"] = self._config.group_size
-            codec = self._codecs[name] = codecs.get(name, **config)
+            codec = codecs.get(name, **config)
+            if self._config.codec_impl is not None:
+                codec = _WithImpl(codec, self._config.codec_impl)
+            self._codecs[name] = codec
         return codec
+
+
+class _WithImpl:
+    """A codec whose ``encode``/``decode`` run the configured implementation (``codec_impl``)."""
+
+    def __init__(self, codec: Codec, impl: str) -> None:
+        self._inner = codec
+        self._impl = impl
+        self.name = codec.name
+
+    def encode(self, t: torch.Tensor, *, bits: int | None = None, error_bound: float | None = None,
+               seed: int = 0, impl: Impl | str | None = None) -> Packed:
+        return self._inner.encode(t, bits=bits, error_bound=error_bound, seed=seed, impl=impl or self._impl)
+
+    def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
+        return self._inner.decode(p, impl=impl or self._impl)
