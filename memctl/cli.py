@@ -124,10 +124,15 @@ def _budget(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from memctl._extras import require
     from memctl.controller.budget import parse_budget
     from memctl.demo import DemoOptions, run_demo
-    from memctl.errors import BudgetError
+    from memctl.errors import BudgetError, MissingExtraError
 
+    try:
+        require("demo", "memctl demo")
+    except MissingExtraError as exc:
+        return _fail(str(exc))
     if args.steps < 1:
         return _fail(f"--steps {args.steps}: must be at least 1")
     if args.batch_size < 1:

@@ -237,6 +237,9 @@ def _table(result: DemoResult) -> str:
 
 def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
     """Run the demo; prints progress, the URL and the comparison table; writes the report."""
+    from memctl._extras import require
+
+    require("demo", "memctl demo")
     stream = out if out is not None else sys.stdout
 
     def announce(msg: str) -> None:
