@@ -91,3 +91,19 @@ def test_core_dependencies_leave_the_extras_out() -> None:
     for extra, packages in _extras.EXTRAS.items():
         declared = " ".join(extras[extra])
         assert all(dist in declared for _, dist in packages), extra
+
+
+@pytest.mark.parametrize(("module", "extra"), [("lightning", "lightning"), ("huggingface", "huggingface"),
+                                               ("tensorboard", "tensorboard")])
+def test_integrations_name_their_extra_when_it_is_missing(module: str, extra: str) -> None:
+    out = _run(
+        f"""
+        from memctl.errors import MissingExtraError
+        try:
+            import memctl.integrations.{module}
+        except MissingExtraError as exc:
+            print(exc)
+        """
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"pip install 'memctl[{extra}]'" in out.stdout

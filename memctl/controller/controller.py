@@ -193,6 +193,18 @@ class Controller:
         if self._tracker.model_depth > 0:
             self._tracker.model_depth -= 1
 
+    def begin_step(self) -> None:
+        """Open the capture window now (NOTE [ Capture window ]); a no-op while it is open.
+
+        For trainers whose training step does not call the model's own ``forward`` (a
+        LightningModule's ``training_step`` calling ``self.net(x)``): call this before the
+        step's forward. The optimizer's step closes the window as usual.
+        """
+        if torch.is_grad_enabled() and self._scope.open():
+            self._packer.begin_step(self._step)
+            self._tracker.reset()
+            self._calls_at_open = self._tracker.module_calls
+
     def _grad_probe(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if not self._probing or torch.compiler.is_compiling() or not torch.is_grad_enabled():
