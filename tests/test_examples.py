@@ -143,6 +143,9 @@ def _exported_metric_names() -> set[str]:
                        "step": 2},
         "layers": [{"name": "conv1", "bits": 2.0, "error_bound": 0.1, "raw_bytes": 2**20,
                     "packed_bytes": 2**17, "sensitivity": 1.0}],
+        "counters": {"events": {"allocation": 1}},
+        "timings": {k: {"buckets": [[0.01, 1], [float("inf"), 1]], "sum": 0.005, "count": 1}
+                    for k in ("step", "encode", "decode")},
     })
     text = generate_latest(build_registry(view)).decode()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -155,9 +158,13 @@ def test_grafana_dashboard_uses_exported_metrics_and_provisioned_datasource() ->
     used = {m for e in exprs for m in re.findall(r"memctl_[a-z_]+", e)}
     exported = _exported_metric_names()
     assert used <= exported, f"dashboard queries metrics memctl does not export: {sorted(used - exported)}"
-    required = {"memctl_compression_ratio", "memctl_activation_raw_bytes", "memctl_activation_packed_bytes",
+    required = {"memctl_activation_packed_ratio", "memctl_activation_raw_bytes",
+                "memctl_activation_packed_bytes",
                 "memctl_avg_bits", "memctl_budget_bytes", "memctl_device_used_bytes", "memctl_batch_size",
-                "memctl_codec_fallbacks_total", "memctl_layer_bits"}
+                "memctl_codec_fallbacks_total", "memctl_layer_bits", "memctl_steps_total",
+                "memctl_step_overhead_seconds_bucket", "memctl_codec_encode_seconds_bucket",
+                "memctl_codec_decode_seconds_bucket", "memctl_events_total", "memctl_allocations_total",
+                "memctl_budget_changes_total"}
     assert required <= used, f"dashboard lacks panels for {sorted(required - used)}"
     provisioning = DEPLOY / "grafana" / "provisioning"
     (source,) = _yaml(provisioning / "datasources" / "prometheus.yml")[0]["datasources"]

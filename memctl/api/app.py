@@ -9,7 +9,9 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -173,11 +175,14 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         return {"count": len(samples), "samples": samples}
 
     @app.get("/metrics", tags=["service"], response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
-    async def metrics() -> Response:
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}, OPENMETRICS_CONTENT_TYPE: {}},
+                              "description": "Prometheus text format, or OpenMetrics when the Accept "
+                                             "header asks for application/openmetrics-text"}})
+    async def metrics(request: Request) -> Response:
         """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
-        body = cache.get(view.snapshot(), "metrics", lambda: generate_latest(registry))
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = cache.get(view.snapshot(), f"metrics:{content_type}", lambda: encoder(registry))
+        return Response(body, headers={"Content-Type": content_type})
 
     return app
 

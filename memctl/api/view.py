@@ -32,6 +32,7 @@ __all__ = [
 SNAPSHOT_KEYS = (
     "step", "budget", "budget_bytes", "activation_budget_bytes", "raw_bytes", "packed_bytes",
     "ratio", "avg_bits", "batch_size", "fallbacks", "allocation", "events", "layers", "memory",
+    "counters", "timings",
 )
 #: Keys of ``snapshot()["allocation"]`` when it is not ``None``.
 ALLOCATION_KEYS = ("solver", "status", "time_ms", "objective", "feasible", "step")
@@ -92,6 +93,12 @@ class ControllerView(Protocol):
           weight C_l, DESIGN.md §4).
         - ``memory`` (Mapping | None): the latest monitor sample,
           :meth:`memctl.monitor.MemorySample.to_dict`, or ``None`` before the first.
+        - ``counters`` (Mapping): ``events`` (Mapping str -> int): events of each ``kind``
+          since attach (the ``events`` list keeps only the most recent).
+        - ``timings`` (Mapping): cumulative histograms ``encode``, ``decode`` and ``step``
+          (:meth:`memctl.controller.timing.Histogram.to_dict`: ``buckets`` as
+          [upper bound in s, cumulative count] pairs ending with ``inf``, ``sum``, ``count``),
+          NOTE [ What is timed, and what it costs ]; empty when not measured.
         """
         ...
 
@@ -141,6 +148,7 @@ def empty_snapshot() -> dict[str, Any]:
         "step": 0, "budget": None, "budget_bytes": None, "activation_budget_bytes": None,
         "raw_bytes": 0, "packed_bytes": 0, "ratio": 1.0, "avg_bits": 32.0, "batch_size": None,
         "fallbacks": 0, "allocation": None, "events": [], "layers": [], "memory": None,
+        "counters": {"events": {}}, "timings": {},
     }
 
 

@@ -98,6 +98,7 @@ class Controller:
         self._lock = threading.Lock()
         self._pending: list[BudgetSpec | None] = []
         self._events: deque[dict[str, Any]] = deque(maxlen=self.config.max_events)
+        self._event_counts: dict[str, int] = {}
         self._layers: dict[str, LayerState] = {}
         self._step = 0
         self._fallbacks = 0
@@ -243,6 +244,7 @@ class Controller:
     # -- the step boundary -----------------------------------------------------------
     def step(self) -> None:
         """Advance one step (called by the optimizer's step post-hook)."""
+        started = time.perf_counter()
         self._scope.close()
         records = self._packer.finish_step()
         batch = self._batch_seen
@@ -277,6 +279,7 @@ class Controller:
         self._packer.set_parameters(self.model)
         self._step += 1
         self._probing = self._wants_gradients()
+        self._packer.timings.observe_step(time.perf_counter() - started)
         self._publish()
 
     def _wants_gradients(self) -> bool:
@@ -488,6 +491,7 @@ class Controller:
 
     def _event(self, kind: str, message: str) -> None:
         self._events.append({"step": self._step, "time": time.time(), "kind": kind, "message": message})
+        self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
 
     def _live_activation_bytes(self) -> int:
         return int(self._totals.get("packed_bytes", 0)) + int(self._totals.get("other_bytes", 0))
@@ -516,6 +520,8 @@ class Controller:
             "attribution": "lost (torch.compile)" if self._attribution_lost else "modules",
             "allocation": dict(self._allocation) if self._allocation else None,
             "events": [dict(e) for e in self._events],
+            "counters": {"events": dict(self._event_counts)},
+            "timings": self._packer.timings.to_dict(),
             "memory": memory_sample.to_dict() if memory_sample is not None else None,
             "layers": [
                 {

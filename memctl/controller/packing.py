@@ -40,6 +40,7 @@ logged (a warning the first time per layer), and training goes on.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,7 @@ from memctl.codecs.base import Codec, Packed
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.stats import LayerStep
+from memctl.controller.timing import Timings
 from memctl.errors import CodecError
 
 __all__ = ["Packer", "Saved"]
@@ -99,6 +101,7 @@ class Packer:
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
+        self.timings = Timings()
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -147,6 +150,7 @@ class Packer:
         data = saved.data
         if isinstance(data, torch.Tensor):
             return data
+        start = time.perf_counter()
         out = self._codec(data.codec).decode(data)
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
@@ -157,6 +161,7 @@ class Packer:
         if saved.mask is not None:
             positive = self._codec("lossless").decode(saved.mask)
             out = out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive)
+        self.timings.observe_decode(time.perf_counter() - start)
         return out
 
     # -- internals -------------------------------------------------------------------
@@ -212,12 +217,14 @@ class Packer:
 
     def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
                   seed: int, masked: bool) -> tuple[Packed, Packed | None]:
+        start = time.perf_counter()
         data = t.detach()
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(data, error_bound=error_bound)
         else:
             p = self._codec("quantize").encode(data, bits=int(bits), seed=seed)
         mask = self._codec("lossless").encode(data > 0) if masked else None
+        self.timings.observe_encode(time.perf_counter() - start)
         return p, mask
 
     def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep) -> None:
