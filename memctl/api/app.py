@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memctl._version import __version__
+from memctl.api.dashboard import add_pages
 from memctl.api.metrics import build_registry
 from memctl.api.models import (
     BudgetChangeResponse,
@@ -109,11 +110,14 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         version=__version__,
         description="Live state and control of a memctl Controller: compressed activations under a budget.",
         responses=_ERRORS,
+        docs_url=None,  # served offline by add_pages (memctl/api/dashboard.py)
+        redoc_url=None,
     )
     app.add_middleware(_GuardMiddleware, max_body_bytes=max_body_bytes)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     registry = build_registry(view)
+    add_pages(app, token_required=token is not None)
     guard = [Depends(_bearer_guard(token))] if token is not None else []
 
     cache = _SnapshotCache()
