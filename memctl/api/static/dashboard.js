@@ -100,7 +100,7 @@ function heatMap(canvas, steps) {
   steps.forEach((s, x) => names.forEach((n, y) => {
     const b = s.bits[n];
     if (b === undefined || b === null) return;
-    const t = Math.min(b / 8, 1);
+    const t = Math.min(Math.log2(Math.max(b, 1)) / 5, 1);  // 1 bit light ... 32 bits (uncompressed) dark
     ctx.fillStyle = `rgb(${Math.round(235 - 200 * t)}, ${Math.round(240 - 160 * t)}, ${Math.round(250 - 60 * t)})`;
     ctx.fillRect(x * cw, y * ch, Math.ceil(cw), Math.ceil(ch));
   }));
