@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a CNN on scikit-learn's digits, plain and with memctl, and compare",
         description="Train a small residual CNN on scikit-learn's handwritten digits (shipped with "
         "the package: nothing is downloaded) twice, once in full precision and once with memctl "
-        "attached, serving memctl's HTTP API while it runs. Prints a comparison table and writes "
-        "report.json and a PNG plot of loss and memory to the output directory.",
+        "attached, serving memctl's HTTP API and dashboard while it runs. Prints a comparison table "
+        "and writes report.json, a PNG plot of loss and memory and the run's event log (events.jsonl) "
+        "to the output directory.",
     )
     demo.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
     demo.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="memctl-out", help="output directory (default ./memctl-out)")
     demo.add_argument("--no-baseline", action="store_true", help="skip the full-precision comparison run")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.add_argument("--tensorboard", default=None, metavar="DIR",
+                      help="also write memctl's scalars to TensorBoard in DIR ('tensorboard' extra)")
 
     status = sub.add_parser("status", help="show a running job's compression and memory state",
                             description="Query GET /v1/stats of a running memctl job.")
@@ -208,12 +211,19 @@ def _budget(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from memctl._extras import require
     from memctl.demo import DemoOptions, check_options, run_demo
-    from memctl.errors import MemctlError
+    from memctl.errors import MemctlError, MissingExtraError
 
+    try:
+        require("demo", "memctl demo")
+        if args.tensorboard is not None:
+            require("tensorboard", "memctl demo --tensorboard")
+    except MissingExtraError as exc:
+        return _fail(str(exc))
     opts = DemoOptions(steps=args.steps, batch_size=args.batch_size, budget=args.budget, bits=args.bits,
                        device=args.device, port=args.port, out=args.out, baseline=not args.no_baseline,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, tensorboard=args.tensorboard)
     try:
         check_options(opts)  # everything, before minutes of training
         run_demo(opts)

@@ -62,18 +62,29 @@ class DemoOptions:
     baseline: bool = True
     seed: int = 0
     progress: bool = True
+    tensorboard: str | None = None
+
+
+LOSS_TAIL = 20
+"""Steps averaged for the reported training loss (one batch's loss is noisy)."""
 
 
 @dataclass
 class RunResult:
     name: str
-    final_loss: float
+    train_loss_tail: float  # mean training loss over the last LOSS_TAIL steps (or all, if fewer)
     accuracy: float
     step_time_ms: float
     saved_raw_bytes: int
     saved_bytes: int
     losses: list[float] = field(default_factory=list)
     memory: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def ratio_vs_full(saved_raw: int, saved: int) -> float:
+    """Saved bytes of the plain run over this run's: the one ratio the table and the bar show."""
+    return saved_raw / max(saved, 1)
 
 
 @dataclass
@@ -199,11 +210,16 @@ def _train(opts: DemoOptions, device: torch.device, use_memctl: bool,
     ctl = None
     url = None
     saved_raw = _saved_bytes_plain(model, xtr[: opts.batch_size], ytr[: opts.batch_size])
+    tb = None
     if use_memctl:
         ctl = memctl.Controller(model, opt, budget=opts.budget, bits=opts.bits)
         handle = ctl.serve(host=opts.host, port=opts.port)
         url = handle.url
-        announce(f"memctl API at {url}  (try: memctl status --url {url})")
+        announce(f"memctl API and dashboard at {url}  (try: memctl status --url {url})")
+        if opts.tensorboard is not None:
+            from memctl.integrations.tensorboard import TensorBoardLogger
+
+            tb = TensorBoardLogger(ctl, opts.tensorboard)
     g = torch.Generator().manual_seed(opts.seed + 1)
     losses: list[float] = []
     memory: list[int] = []
@@ -224,7 +240,8 @@ def _train(opts: DemoOptions, device: torch.device, use_memctl: bool,
         if ctl is not None:
             s = ctl.stats()
             memory.append(int(s["packed_bytes"] + s["other_bytes"]))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", ratio=f"{s['ratio']:.1f}x", bits=f"{s['avg_bits']:.2f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", ratio=f"{ratio_vs_full(saved_raw, memory[-1]):.1f}x",
+                            bits=f"{s['avg_bits']:.2f}")
         else:
             memory.append(saved_raw)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
@@ -238,14 +255,18 @@ def _train(opts: DemoOptions, device: torch.device, use_memctl: bool,
         acc = float((model(xte).argmax(1) == yte).float().mean()) * 100
     stats: dict[str, Any] = {}
     saved = saved_raw
+    events: list[dict[str, Any]] = []
     if ctl is not None:
         stats = ctl.stats()
-        saved = int(stats["packed_bytes"] + stats["other_bytes"])
+        saved = memory[-1]  # the last step's, as the progress bar showed
+        events = list(stats["events"])
+        if tb is not None:
+            tb.close()
         ctl.detach()
-    tail = losses[-20:]
-    result = RunResult(name=name, final_loss=sum(tail) / len(tail), accuracy=acc,
+    tail = losses[-LOSS_TAIL:]
+    result = RunResult(name=name, train_loss_tail=sum(tail) / len(tail), accuracy=acc,
                        step_time_ms=elapsed / (opts.steps - warmup) * 1e3, saved_raw_bytes=saved_raw,
-                       saved_bytes=saved, losses=losses, memory=memory)
+                       saved_bytes=saved, losses=losses, memory=memory, events=events)
     return result, stats, url
 
 
@@ -278,9 +299,11 @@ def _plot(result: DemoResult, path: Path) -> None:
 def _table(result: DemoResult) -> str:
     rows = [("", *[r.name for r in result.runs])]
     rows.append(("saved activations", *[f"{r.saved_bytes / 2**20:.2f} MiB" for r in result.runs]))
-    base = result.runs[0].saved_raw_bytes
-    rows.append(("ratio vs full precision", *[f"{base / max(r.saved_bytes, 1):.1f}x" for r in result.runs]))
-    rows.append(("final loss", *[f"{r.final_loss:.4f}" for r in result.runs]))
+    rows.append(("ratio vs full precision",
+                 *[f"{ratio_vs_full(r.saved_raw_bytes, r.saved_bytes):.1f}x" for r in result.runs]))
+    tail = min(LOSS_TAIL, min(len(r.losses) for r in result.runs))
+    rows.append((f"train loss (mean of last {tail} steps)",
+                 *[f"{r.train_loss_tail:.4f}" for r in result.runs]))
     rows.append(("test accuracy", *[f"{r.accuracy:.2f}%" for r in result.runs]))
     rows.append(("step time", *[f"{r.step_time_ms:.1f} ms" for r in result.runs]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -291,6 +314,11 @@ def _table(result: DemoResult) -> str:
 
 def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
     """Run the demo; prints progress, the URL and the comparison table; writes the report."""
+    from memctl._extras import require
+
+    require("demo", "memctl demo")
+    if opts.tensorboard is not None:
+        require("tensorboard", "memctl demo --tensorboard")
     stream = out if out is not None else sys.stdout
 
     def announce(msg: str) -> None:
@@ -309,7 +337,12 @@ def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(result.to_json(), indent=2, default=str))
     _plot(result, out_dir / "memory_loss.png")
+    with (out_dir / "events.jsonl").open("w") as f:
+        for event in run.events:
+            f.write(json.dumps(event, default=str) + "\n")
     announce("")
     announce(_table(result))
-    announce(f"\nwrote {out_dir / 'report.json'} and {out_dir / 'memory_loss.png'}")
+    written = [out_dir / "report.json", out_dir / "memory_loss.png", out_dir / "events.jsonl"]
+    announce(f"\nwrote {', '.join(map(str, written))}"
+             + (f"; TensorBoard: tensorboard --logdir {opts.tensorboard}" if opts.tensorboard else ""))
     return result

@@ -24,3 +24,7 @@ class CodecError(MemctlError, RuntimeError):
 
 class CudaUnavailableError(CodecError):
     """CUDA kernels were requested but cannot be compiled or run on this machine."""
+
+
+class MissingExtraError(MemctlError, ImportError):
+    """An optional feature needs packages from one of memctl's extras that are not installed."""

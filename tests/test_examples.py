@@ -143,6 +143,9 @@ def _exported_metric_names() -> set[str]:
                        "step": 2},
         "layers": [{"name": "conv1", "bits": 2.0, "error_bound": 0.1, "raw_bytes": 2**20,
                     "packed_bytes": 2**17, "sensitivity": 1.0}],
+        "counters": {"events": {"allocation": 1}},
+        "timings": {k: {"buckets": [[0.01, 1], [float("inf"), 1]], "sum": 0.005, "count": 1}
+                    for k in ("step", "encode", "decode")},
     })
     text = generate_latest(build_registry(view)).decode()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -155,9 +158,13 @@ def test_grafana_dashboard_uses_exported_metrics_and_provisioned_datasource() ->
     used = {m for e in exprs for m in re.findall(r"memctl_[a-z_]+", e)}
     exported = _exported_metric_names()
     assert used <= exported, f"dashboard queries metrics memctl does not export: {sorted(used - exported)}"
-    required = {"memctl_compression_ratio", "memctl_activation_raw_bytes", "memctl_activation_packed_bytes",
+    required = {"memctl_activation_packed_ratio", "memctl_activation_raw_bytes",
+                "memctl_activation_packed_bytes",
                 "memctl_avg_bits", "memctl_budget_bytes", "memctl_device_used_bytes", "memctl_batch_size",
-                "memctl_codec_fallbacks_total", "memctl_layer_bits"}
+                "memctl_codec_fallbacks_total", "memctl_layer_bits", "memctl_steps_total",
+                "memctl_step_overhead_seconds_bucket", "memctl_codec_encode_seconds_bucket",
+                "memctl_codec_decode_seconds_bucket", "memctl_events_total", "memctl_allocations_total",
+                "memctl_budget_changes_total"}
     assert required <= used, f"dashboard lacks panels for {sorted(required - used)}"
     provisioning = DEPLOY / "grafana" / "provisioning"
     (source,) = _yaml(provisioning / "datasources" / "prometheus.yml")[0]["datasources"]
@@ -193,8 +200,23 @@ def test_compose_wires_trainer_prometheus_and_grafana() -> None:
 def test_dockerfile_installs_cuda12_extra_as_non_root() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM .*cuda12", text, re.M) or re.search(r"^ARG BASE_IMAGE=.*cuda12", text, re.M)
-    assert "COPY . /src" in text
-    assert 'pip install "/src[cuda12]"' in text
+    # The base image's torch is inside the supported range declared in pyproject.toml.
+    base = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:(\d+)\.(\d+)\.\d+-", text, re.M)
+    assert base is not None
+    torch_req = re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
+    assert torch_req is not None
+    lo, hi = tuple(map(int, torch_req.groups()[:2])), tuple(map(int, torch_req.groups()[2:]))
+    assert lo <= tuple(map(int, base.groups())) < hi
+    # Dependencies in a cached layer: metadata and pins are copied, and installed, before the code.
+    metadata = text.index("COPY pyproject.toml")
+    deps = text.index('/src/deploy/constraints.txt "/src[cuda12]"')
+    code = text.index("COPY . /src")
+    assert metadata < deps < code
+    assert "-c /tmp/torch-constraint.txt -c /src/deploy/constraints.txt" in text
+    assert 'pip install --no-deps "/src"' in text[code:]
+    pins = [line for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in pins), pins
     assert re.search(r"^EXPOSE 8765$", text, re.M)
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and not user[-1].startswith(("root", "0")), "the image must not run as root"
@@ -220,10 +242,12 @@ def test_kubernetes_job_secret_and_service_fit_together() -> None:
     assert port["port"] == 8765
     assert port["targetPort"] in {p["name"] for p in container["ports"]}
     assert {p["containerPort"] for p in container["ports"]} == {8765}
-    for notes in (pod["metadata"]["annotations"], service["metadata"]["annotations"]):
-        assert notes["prometheus.io/scrape"] == "true"
-        assert notes["prometheus.io/port"] == "8765"
-        assert notes["prometheus.io/path"] == "/metrics"
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert notes["prometheus.io/port"] == "8765"
+    assert notes["prometheus.io/path"] == "/metrics"
+    # Scraped once: the Service must not be annotated as well.
+    assert not any(k.startswith("prometheus.io/") for k in service["metadata"].get("annotations") or {})
     args = container["args"]
     assert args[args.index("--host") + 1] == "0.0.0.0"
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True

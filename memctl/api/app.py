@@ -4,14 +4,15 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
@@ -20,6 +21,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memctl._version import __version__
+from memctl.api.dashboard import add_pages
 from memctl.api.metrics import build_registry
 from memctl.api.models import (
     BudgetChangeResponse,
@@ -68,12 +70,6 @@ LOOPBACK_HOSTS: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 # names it was told are its own: the loopback names by default, the bound address and
 # the machine's names when serve() binds elsewhere, or any list given as allowed_hosts
 # ("*" turns the check off). Others get 421 before any handler runs.
-
-# NOTE [ Self-contained docs ]
-# FastAPI's /docs and /redoc load Swagger UI and ReDoc from a CDN, which a training node
-# without internet cannot reach. /docs is instead one HTML file shipped in this package
-# (docs.html, package data) that renders /openapi.json with a few lines of inline script
-# and can send requests; nothing is loaded from elsewhere. /redoc is not served.
 
 # NOTE [ Cheap reads ]
 # Polling must not slow training. The read handlers are ``async`` (no thread hand-off per
@@ -142,25 +138,15 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         version=__version__,
         description="Live state and control of a memctl Controller: compressed activations under a budget.",
         responses=_ERRORS,
-        docs_url=None,
+        docs_url=None,  # served offline by add_pages (memctl/api/dashboard.py)
         redoc_url=None,
-        openapi_url=None,
     )
     app.add_middleware(_GuardMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(_HostMiddleware, allowed=hosts)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     registry = build_registry(view)
-    docs_page = resources.files("memctl.api").joinpath("docs.html").read_text(encoding="utf-8")
-
-    @app.get("/openapi.json", include_in_schema=False)
-    async def openapi() -> JSONResponse:
-        return JSONResponse(app.openapi())
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        """This API's description and a form to call it (NOTE [ Self-contained docs ])."""
-        return HTMLResponse(docs_page)
+    add_pages(app, token_required=token is not None)
 
     cache = _SnapshotCache()
 
@@ -221,11 +207,14 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
         return {"count": len(samples), "samples": samples}
 
     @app.get("/metrics", tags=["service"], response_class=Response, dependencies=read_guard,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
-    async def metrics() -> Response:
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}, OPENMETRICS_CONTENT_TYPE: {}},
+                              "description": "Prometheus text format, or OpenMetrics when the Accept "
+                                             "header asks for application/openmetrics-text"}})
+    async def metrics(request: Request) -> Response:
         """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
-        body = cache.get(view.snapshot(), "metrics", lambda: generate_latest(registry))
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = cache.get(view.snapshot(), f"metrics:{content_type}", lambda: encoder(registry))
+        return Response(body, headers={"Content-Type": content_type})
 
     return app
 

@@ -121,6 +121,7 @@ class Controller:
         self._lock = threading.Lock()
         self._pending: list[BudgetSpec | None] = []
         self._events: deque[dict[str, Any]] = deque(maxlen=self.config.max_events)
+        self._event_counts: dict[str, int] = {}
         self._layers: dict[str, LayerState] = {}
         self._step = 0
         self._fallbacks = 0
@@ -233,6 +234,18 @@ class Controller:
         if self._tracker.model_depth > 0:
             self._tracker.model_depth -= 1
 
+    def begin_step(self) -> None:
+        """Open the capture window now (NOTE [ Capture window ]); a no-op while it is open.
+
+        For trainers whose training step does not call the model's own ``forward`` (a
+        LightningModule's ``training_step`` calling ``self.net(x)``): call this before the
+        step's forward. The optimizer's step closes the window as usual.
+        """
+        if torch.is_grad_enabled() and self._scope.open():
+            self._packer.begin_step(self._step)
+            self._tracker.reset()
+            self._calls_at_open = self._tracker.module_calls
+
     def _grad_probe(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if not self._probing or torch.compiler.is_compiling() or not torch.is_grad_enabled():
@@ -300,6 +313,7 @@ class Controller:
             _log.exception("memctl could not publish its state after the step boundary failed")
 
     def _step_boundary(self) -> None:
+        started = time.perf_counter()
         self._scope.close()
         records = self._packer.finish_step()
         batch = self._packer.last_samples
@@ -341,6 +355,7 @@ class Controller:
         self._packer.set_parameters(self.model)
         self._step += 1
         self._probing = self._wants_gradients()
+        self._packer.timings.observe_step(time.perf_counter() - started)
         self._publish()
 
     def _wants_gradients(self) -> bool:
@@ -563,6 +578,7 @@ class Controller:
 
     def _event(self, kind: str, message: str) -> None:
         self._events.append({"step": self._step, "time": time.time(), "kind": kind, "message": message})
+        self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
 
     def _live_activation_bytes(self) -> int:
         return int(self._totals.get("packed_bytes", 0)) + int(self._totals.get("other_bytes", 0))
@@ -593,6 +609,8 @@ class Controller:
             "attribution": "lost (torch.compile)" if self._attribution_lost else "modules",
             "allocation": dict(self._allocation) if self._allocation else None,
             "events": [dict(e) for e in self._events],
+            "counters": {"events": dict(self._event_counts)},
+            "timings": self._packer.timings.to_dict(),
             "memory": memory_sample.to_dict() if memory_sample is not None else None,
             **rank_info(self._ranks),
             "saved_as_is": {"tensors": self._packer.passed, "fsdp_parameters": self._packer.fsdp_passed},

@@ -55,6 +55,7 @@ These rules in the context of a whole step: docs/design.md, "Pack: what is compr
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,7 @@ from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.stats import LayerStep
+from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
 from memctl.errors import CodecError
 
@@ -131,6 +133,7 @@ class Packer:
         self.passed = 0
         self.fsdp_passed = 0
         self.fsdp = FsdpParameters()
+        self.timings = Timings()
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -229,6 +232,7 @@ class Packer:
         data = saved.data
         if isinstance(data, torch.Tensor):
             return data
+        start = time.perf_counter()
         out = self._codec(data.codec).decode(data)
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
@@ -239,6 +243,7 @@ class Packer:
         if saved.mask is not None:
             positive = self._codec("lossless").decode(saved.mask)
             out = out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive)
+        self.timings.observe_decode(time.perf_counter() - start)
         return out
 
     # -- internals -------------------------------------------------------------------
@@ -294,12 +299,14 @@ class Packer:
 
     def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
                   seed: int, masked: bool) -> tuple[Packed, Packed | None]:
+        start = time.perf_counter()
         data = t.detach()
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(data, error_bound=error_bound)
         else:
             p = self._codec("quantize").encode(data, bits=int(bits), seed=seed)
         mask = self._codec("lossless").encode(data > 0) if masked else None
+        self.timings.observe_encode(time.perf_counter() - start)
         return p, mask
 
     def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep) -> None:

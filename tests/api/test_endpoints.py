@@ -111,4 +111,5 @@ def test_each_app_is_independent(make_client: Callable[..., TestClient]) -> None
     a = make_client(StaticView({"step": 1}))
     b = make_client(StaticView({"step": 2}))
     assert a.get("/healthz").json()["step"] == 1 and b.get("/healthz").json()["step"] == 2
-    assert "memctl_step 1.0" in a.get("/metrics").text and "memctl_step 2.0" in b.get("/metrics").text
+    assert "memctl_steps_total 1.0" in a.get("/metrics").text
+    assert "memctl_steps_total 2.0" in b.get("/metrics").text

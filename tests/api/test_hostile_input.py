@@ -9,10 +9,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-import tomllib
 from fastapi.testclient import TestClient
 
 from memctl.api import StaticView, create_app, serve
@@ -207,14 +205,6 @@ def test_docs_are_self_contained(client: TestClient) -> None:
         assert not ref.startswith("//"), ref
     assert client.get("/openapi.json").json()["info"]["title"] == "memctl"
     assert client.get("/redoc").status_code == 404  # ReDoc needs a CDN: not served
-
-
-def test_docs_page_is_package_data() -> None:
-    root = Path(__file__).resolve().parents[2]
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
-    data = pyproject["tool"]["setuptools"]["package-data"]
-    assert "docs.html" in data["memctl.api"]
-    assert (root / "memctl" / "api" / "docs.html").is_file()
 
 
 # --- 405 ------------------------------------------------------------------------------------
