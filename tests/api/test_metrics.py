@@ -120,7 +120,7 @@ def test_a_rank_labels_every_series(make_client: Callable[..., TestClient]) -> N
     client = make_client(StaticView({"step": 5, "rank": 1, "world_size": 2, "agreed": True,
                                      "layers": [{"name": "fc", "bits": 2.0}]}))
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
-    assert families["memctl_step"].samples[0].labels == {"rank": "1"}
+    assert families["memctl_steps"].samples[0].labels == {"rank": "1"}
     assert families["memctl_layer_bits"].samples[0].labels == {"layer": "fc", "rank": "1"}
     assert all(s.labels.get("rank") == "1" for f in families.values() for s in f.samples)
     assert client.get("/v1/stats").json()["world_size"] == 2
