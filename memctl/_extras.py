@@ -11,11 +11,13 @@ module up (``importlib.util.find_spec``) does not import it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from types import ModuleType
 
 from memctl.errors import MissingExtraError
 
-__all__ = ["EXTRAS", "missing", "require"]
+__all__ = ["EXTRAS", "import_extra", "missing", "require"]
 
 #: extra name -> (import name, distribution name) of the packages it provides.
 EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -49,3 +51,22 @@ def require(extra: str, feature: str) -> None:
             f"installed; install memctl's '{extra}' extra: pip install 'memctl[{extra}]' "
             f"(from a checkout: pip install -e '.[{extra}]')"
         )
+
+
+def import_extra(module: str, extra: str, feature: str) -> ModuleType:
+    """:func:`require`, then import ``module``; a package that is installed but fails to import
+    (most often a ``torchvision`` built for another torch, which Lightning and transformers
+    import) is a :class:`MissingExtraError` that says so, not a ``RuntimeError`` from deep inside.
+    """
+    require(extra, feature)
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:
+        import torch
+
+        raise MissingExtraError(
+            f"{feature}: {module} is installed but importing it failed ({type(exc).__name__}: {exc}). "
+            f"A package it imports is broken; often that is a torchvision built for another torch: "
+            f"install the torchvision release that matches torch {torch.__version__}, or uninstall "
+            "torchvision if nothing needs it"
+        ) from exc

@@ -107,3 +107,31 @@ def test_integrations_name_their_extra_when_it_is_missing(module: str, extra: st
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"pip install 'memctl[{extra}]'" in out.stdout
+
+
+def test_a_broken_dependency_of_an_extra_is_named() -> None:
+    # A torchvision built for another torch fails at import with a RuntimeError; any failure
+    # of an installed extra's import becomes one MissingExtraError that says what to do.
+    out = _run(
+        """
+        import importlib.abc
+        from memctl import _extras
+        from memctl.errors import MissingExtraError
+
+        class Broken(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "email.memctl_probe":
+                    raise RuntimeError("operator torchvision::nms does not exist")
+                return None
+
+        sys.meta_path.insert(0, Broken())
+        _extras.EXTRAS["probe"] = (("email", "email"),)
+        try:
+            _extras.import_extra("email.memctl_probe", "probe", "the probe feature")
+        except MissingExtraError as exc:
+            print(exc)
+        """
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "email.memctl_probe is installed but importing it failed (RuntimeError: operator" in out.stdout
+    assert "torchvision release that matches torch" in out.stdout

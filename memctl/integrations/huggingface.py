@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memctl._extras import require
+from memctl._extras import import_extra
 
-require("huggingface", "memctl.integrations.huggingface")
+import_extra("transformers.trainer_callback", "huggingface", "memctl.integrations.huggingface")
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 

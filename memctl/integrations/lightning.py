@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memctl._extras import require
+from memctl._extras import import_extra
 
-require("lightning", "memctl.integrations.lightning")
+import_extra("lightning.pytorch", "lightning", "memctl.integrations.lightning")
 
-import lightning.pytorch as pl  # noqa: E402  (after the extra check, for its one-line error)
+import lightning.pytorch as pl  # noqa: E402  (after the check above, for its one-line error)
 
 from memctl.integrations._attachment import Attachment  # noqa: E402
 

@@ -15,9 +15,9 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from memctl._extras import require
+from memctl._extras import import_extra
 
-require("tensorboard", "memctl.integrations.tensorboard")
+import_extra("torch.utils.tensorboard", "tensorboard", "memctl.integrations.tensorboard")
 
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
