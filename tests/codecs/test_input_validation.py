@@ -32,7 +32,7 @@ _UNENCODABLE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:.*(quantized tensor creation|Sparse CSR).*:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*(quantized tensor creation|Sparse CSR|nested tensors).*:UserWarning")
 @pytest.mark.parametrize("kind", sorted(_UNENCODABLE))
 @pytest.mark.parametrize("name", NAMES)
 def test_tensors_without_dense_values_are_a_codec_error(name: str, kind: str) -> None:
