@@ -305,6 +305,7 @@ class Controller:
             self._event("error", f"step boundary failed: {type(exc).__name__}: {exc}")
             self._scope.close()
             self._packer.finish_step()
+            self._packer.set_parameters(self.model)
             if self._step == start:
                 self._step += 1
             self._probing = True
