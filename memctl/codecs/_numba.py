@@ -126,7 +126,7 @@ def prepare(codec: str, kernels: Sequence[tuple[Any, Sequence[Any]]]) -> None:
     states = [_is_cached(d, sigs) for d, sigs in kernels]
     if all(s is True for s in states):
         return
-    cache_dir = next((str(d.stats.cache_path) for d, _ in kernels if getattr(d, "_cache", None)), None)
+    cache_dir = next((str(d.stats.cache_path) for d, _ in kernels if d.stats.cache_path), None)
     where = f"cached in {cache_dir} for later processes" if cache_dir else "not cached on disk"
     _log.info(
         "compiling memctl's CPU kernels for %r (first use on this machine, ~%d s; %s)",

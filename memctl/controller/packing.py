@@ -30,7 +30,9 @@ their gradient: at 2 bits most of the mask would be wrong. A float tensor produc
 ReLU (recognised by its ``grad_fn``) therefore also keeps an exact 1-bit mask of its
 positive values (the lossless codec's bit-packed bool), and decoding puts every positive
 value back above zero and every zero at exactly zero. The same record serves the next
-layer, which reads the quantised values (ActNN keeps such a mask too).
+layer, which reads the quantised values (ActNN keeps such a mask too). The quantize codec
+applies the mask inside its decode kernel (``decode(p, mask=...)``, NOTE [ Masked decode ]),
+so the final tensor is written in one pass; other codecs decode, then mask.
 
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
@@ -147,14 +149,16 @@ class Packer:
         data = saved.data
         if isinstance(data, torch.Tensor):
             return data
-        out = self._codec(data.codec).decode(data)
+        codec: Any = self._codec(data.codec)
+        fused = saved.mask is not None and data.codec == "quantize"  # NOTE [ ReLU masks ]
+        out = codec.decode(data, mask=saved.mask) if fused else codec.decode(data)
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
                 f"codec {data.codec!r} decoded a {tuple(out.shape)} {out.dtype} tensor on {out.device} "
                 f"for a saved {tuple(saved.shape)} {saved.dtype} tensor on {saved.device}; "
                 "this is a bug in the codec, please report it"
             )
-        if saved.mask is not None:
+        if saved.mask is not None and not fused:
             positive = self._codec("lossless").decode(saved.mask)
             out = out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive)
         return out

@@ -139,9 +139,8 @@ def _decode_groups(
 ) -> None:
     """Decode groups ``g0 .. g1 - 1`` into ``out``; with ``masked``, apply the mask bits too.
 
-    NOTE [ Masked decode ]: a value whose bit in ``mask`` (bit ``i % 8`` of byte ``i // 8``)
-    is 0 becomes +0.0, one whose bit is 1 becomes ``max(value, floor)``. The group's values
-    are still in L1 when the mask is applied, so the output is written in one pass over memory.
+    A value whose bit in ``mask`` (bit ``i % 8`` of byte ``i // 8``) is 0 becomes +0.0, one
+    whose bit is 1 becomes ``max(value, floor)`` (NOTE [ Masked decode ] in the codec module).
     """
     n = out.size
     big = (1 << bits) - 1

@@ -177,8 +177,12 @@ def encode_cuda(
     return payload, meta, count
 
 
-def decode_cuda(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
-    """The float32 values (1-D, ``n`` of them) of a record, decoded by the CUDA kernel."""
+def decode_cuda(
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
+    mask: torch.Tensor | None = None, floor: float = 0.0,
+) -> torch.Tensor:
+    """The float32 values (1-D, ``n`` of them) of a record, decoded by the CUDA kernel (``mask``
+    as in :func:`decode_cpu`)."""
     dev = payload.device
     out = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
@@ -186,7 +190,9 @@ def decode_cuda(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int
     d_out = _backend.to_device_array(out)
     stream = _backend.torch_stream(dev)
     k = cuda_kernels()
+    bits_arr = torch.zeros(1, dtype=torch.uint8, device=dev) if mask is None else mask
     k.decode[_grid(meta.shape[0]), k.TPB, stream](
-        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out
+        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out,
+        _backend.to_device_array(bits_arr), mask is not None, np.float32(floor),
     )
     return _backend.from_device_array(d_out, dev)
