@@ -255,10 +255,12 @@ class Controller:
             "batch": batch,
         }
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
-        self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
         self._budget_changed |= self._apply_pending()
         if records and (self._budget_changed or self._allocation is None
                         or self._step % self.config.allocation_interval == 0):
+            # Static memory only feeds the allocation: measured when it runs, not every step
+            # (it walks every parameter, gradient and optimizer state tensor).
+            self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
             self._reallocate(reason="budget change" if self._budget_changed else "interval")
             self._budget_changed = False
         self._update_batch_size(batch)

@@ -98,6 +98,7 @@ class Packer:
         self._param_ptrs: frozenset[int] = frozenset()
         self._seen: dict[_DedupKey, tuple[weakref.ref[torch.Tensor], Saved]] = {}
         self._step: dict[str, LayerStep] = {}
+        self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -115,6 +116,7 @@ class Packer:
 
     def finish_step(self) -> dict[str, LayerStep]:
         """The step's per-layer records; resets them and the de-duplication table."""
+        self._fold_ranges()
         done, self._step = self._step, {}
         self._seen.clear()
         return done
@@ -225,9 +227,26 @@ class Packer:
         return p, mask
 
     def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep) -> None:
-        """G·Σ_g R_g² and the value range, from the quantiser's group metadata when present."""
+        """G·Σ_g R_g² and the value range, from the quantiser's group metadata when present.
+
+        NOTE [ Range statistics ]
+        The quantiser's per-group (min, max) metadata already holds every group's range, so
+        for its records this only keeps a reference to that buffer (part of the record, no
+        copy); :meth:`_fold_ranges` reduces all of a layer's buffers at the step boundary in
+        one concatenation and a few reductions, instead of ~10 small tensor operations per
+        saved tensor (a GRU saves ~900 per step). A buffer is held until the step boundary
+        even when backward has freed its record: 8 bytes per group, under 1% of the raw
+        activation, and the step boundary follows the backward pass.
+        """
         g = self._config.group_size
         meta = p.buffers.get("meta")
+        if meta is not None and meta.dim() == 2 and meta.shape[1] == 2 and meta.dtype == torch.float32:
+            entry = self._metas.get(id(rec))
+            if entry is None:
+                self._metas[id(rec)] = (rec, [meta])
+            else:
+                entry[1].append(meta)
+            return
         if meta is not None and meta.dim() == 2 and meta.shape[1] == 2:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
         else:
@@ -247,6 +266,18 @@ class Packer:
         rec.range_terms.append(rng.square().sum() * g)
         rec.mins.append(lo.min())
         rec.maxs.append(hi.max())
+
+    def _fold_ranges(self) -> None:
+        """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ])."""
+        g = self._config.group_size
+        for rec, metas in self._metas.values():
+            m = metas[0] if len(metas) == 1 else torch.cat(metas)
+            lo, hi = m[:, 0].double(), m[:, 1].double()
+            rng = hi - lo
+            rec.range_terms.append(rng.dot(rng) * g)
+            rec.mins.append(lo.min())
+            rec.maxs.append(hi.max())
+        self._metas.clear()
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)

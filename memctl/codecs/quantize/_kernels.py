@@ -101,11 +101,11 @@ def encode_cpu(
     if n < SERIAL_BELOW:
         bad = np.zeros(1, dtype=np.int64)
         k.encode_serial(*args, bad)
-    else:
-        from memctl.codecs import _numba
+        return payload, meta, int(bad[0])
+    from memctl.codecs import _numba
 
-        bad = np.zeros(_chunks(ngroups, _numba.threads()), dtype=np.int64)
-        _numba.launch(k.encode, k.encode_serial, *args, bad)
+    bad = np.zeros(_chunks(ngroups, _numba.threads()), dtype=np.int64)
+    _numba.launch(k.encode, k.encode_serial, *args, bad)
     return payload, meta, int(bad.sum())
 
 

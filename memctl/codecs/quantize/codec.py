@@ -66,6 +66,7 @@ import torch
 
 from memctl.codecs import _backend, _rng
 from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
+from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference
 from memctl.errors import CodecError, ConfigError
 
@@ -73,6 +74,7 @@ __all__ = ["BITS", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
 
 BITS: tuple[int, ...] = (1, 2, 4, 8)
 _NAME = "quantize"
+_BUFFERS = frozenset({"payload", "meta", "exc_index", "exc_value"})
 
 
 def _check_group_size(group_size: object) -> int:
@@ -120,6 +122,8 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
 
 def _flat_float32(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D float32 tensor of ``t``'s values (a view when ``t`` already is one)."""
+    if t.dtype is torch.float32 and t.is_contiguous():
+        return t.detach().view(-1)
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
@@ -142,6 +146,7 @@ class QuantizeCodec:
     def __init__(self, group_size: int = 256, bits: int = 2) -> None:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
         self._cuda = _backend.CudaFallback(_NAME)
+        self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"QuantizeCodec(group_size={self.config.group_size}, bits={self.config.bits})"
@@ -176,8 +181,7 @@ class QuantizeCodec:
         if nonfinite:
             exc_index, exc_value = _exceptions(flat)
         else:
-            exc_index = torch.empty(0, dtype=torch.int64, device=payload.device)
-            exc_value = torch.empty(0, dtype=torch.float32, device=payload.device)
+            exc_index, exc_value = self._no_exceptions(payload.device)
         return Packed(
             codec=_NAME,
             shape=tuple(t.shape),
@@ -187,12 +191,21 @@ class QuantizeCodec:
             params={"bits": b, "group_size": g, "seed": s},
         )
 
+    def _no_exceptions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty exception buffers for ``device``, made once: every record without a non-finite
+        value shares them (a zero-size tensor holds nothing to modify)."""
+        empty = self._empty.get(device)
+        if empty is None:
+            empty = self._empty[device] = (
+                torch.empty(0, dtype=torch.int64, device=device),
+                torch.empty(0, dtype=torch.float32, device=device),
+            )
+        return empty
+
     def _run_encode(
         self, chosen: Impl, flat: torch.Tensor, bits: int, group: int, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         if chosen is Impl.CPU:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return _quantize_kernels.encode_cpu(flat, bits, group, seed)
 
         def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -200,8 +213,6 @@ class QuantizeCodec:
             return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
 
         if chosen is Impl.CUDA:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return self._cuda.run(lambda: _quantize_kernels.encode_cuda(flat, bits, group, seed), reference)
         return reference()
 
@@ -239,12 +250,8 @@ class QuantizeCodec:
         mask: torch.Tensor | None = None, floor: float = 0.0,
     ) -> torch.Tensor:
         if chosen is Impl.CPU:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return _quantize_kernels.decode_cpu(payload, meta, bits, group, n, mask, floor)
         if chosen is Impl.CUDA:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return self._cuda.run(
                 lambda: _quantize_kernels.decode_cuda(payload, meta, bits, group, n, mask, floor),
                 lambda: _reference.decode(payload, meta, bits, group, n, mask, floor),
@@ -283,7 +290,7 @@ def _record_params(p: Any) -> tuple[int, int]:
     if not isinstance(p, Packed) or p.codec != _NAME:
         got = p.codec if isinstance(p, Packed) else type(p).__name__
         raise CodecError(f"'quantize' decodes its own Packed records, got {got!r}; use codecs.decode(p)")
-    missing = {"payload", "meta", "exc_index", "exc_value"} - set(p.buffers)
+    missing = _BUFFERS.difference(p.buffers)
     if missing:
         raise CodecError(f"quantize record lacks buffers {sorted(missing)}; it was not written by encode")
     try:
