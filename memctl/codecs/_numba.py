@@ -32,7 +32,6 @@ kernel, which gives the same bytes.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -65,8 +64,14 @@ _choose_threading_layer()
 _PARALLEL = threading.Lock()
 
 
-@functools.cache
+# Set once the process has warned that kernels cannot be cached (one warning, not one per kernel).
+_NO_CACHE_WARNED = threading.Event()
+
+
 def _warn_no_cache(reason: str) -> None:
+    if _NO_CACHE_WARNED.is_set():
+        return
+    _NO_CACHE_WARNED.set()
     _log.warning(
         "memctl's CPU kernels cannot be cached on disk (%s); they compile in every process. "
         "Set NUMBA_CACHE_DIR to a writable directory to cache them", reason,

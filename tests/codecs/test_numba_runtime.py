@@ -135,3 +135,27 @@ def test_a_launch_while_another_runs_takes_the_serial_kernel() -> None:
     release.set()
     worker.join(10)
     assert results == ["parallel"]
+
+
+def test_kernels_compile_uncached_with_one_warning_where_nothing_is_writable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from numba.core import caching
+
+    # No cache locator applies (a read-only site-packages and no writable home or NUMBA_CACHE_DIR).
+    monkeypatch.setattr(caching.FunctionCache._impl_class, "_locator_classes", [])
+    monkeypatch.setattr(_numba, "_NO_CACHE_WARNED", threading.Event())
+
+    def twice(a: int) -> int:
+        return 2 * a
+
+    def thrice(a: int) -> int:
+        return 3 * a
+
+    with caplog.at_level(logging.WARNING, logger="memctl.codecs"):
+        first = _numba.cached_jit()(twice)
+        second = _numba.cached_jit()(thrice)
+    assert first(21) == 42 and second(2) == 6
+    assert isinstance(first._cache, NullCache) and isinstance(second._cache, NullCache)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "NUMBA_CACHE_DIR" in warnings[0]
