@@ -339,12 +339,15 @@ class Controller:
             "batch": batch,
         }
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
-        self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
         ranks = self._ranks
         self._budget_changed |= self._apply_pending() if ranks is None else ranks.apply_budget(self)
         solved = False
         due = self._budget_changed or self._allocation is None or (
             self._step % self.config.allocation_interval == 0)
+        if due:
+            # Static memory only feeds the allocation: measured when it runs, not every step
+            # (it walks every parameter, gradient and optimizer state tensor).
+            self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
         # With ranks, every rank takes this branch alike (NOTE [ Agreement across ranks ]).
         if (records or ranks is not None) and due and (ranks is None or ranks.reduce_statistics(self)):
             self._reallocate(reason="budget change" if self._budget_changed else "interval")

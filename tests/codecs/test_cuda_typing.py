@@ -36,7 +36,7 @@ _SCRIPT = textwrap.dedent(
     meta, i32, i64 = types.Array(types.float32, 2, "C"), types.Array(types.int32, 1, "C"), types.int64
     kernels = [
         (_quantize_cuda.encode, (f32, i64, i64, i64, i64, meta, u8, i32)),
-        (_quantize_cuda.decode, (u8, meta, i64, i64, i64, f32)),
+        (_quantize_cuda.decode, (u8, meta, i64, i64, i64, f32, u8, types.boolean, types.float32)),
         (_lossless_cuda.pack, (u8, i64, u8)),
         (_lossless_cuda.unpack, (u8, i64, u8)),
     ]
@@ -45,6 +45,23 @@ _SCRIPT = textwrap.dedent(
         ir = cres.library.get_llvm_str()
         assert " fast " not in ir and "contract" not in ir, "fast-math flags in " + kernel.py_func.__name__
         print("ok", kernel.py_func.__name__)
+
+    # errorbound: its per-group steps, compiled for CUDA from the shared source
+    from numba import cuda
+    from memctl.codecs.errorbound._ops import make_group_ops
+    ops = make_group_ops(cuda.jit(device=True, fastmath=False))
+    f64, i16, i64a = types.float64, types.Array(types.int16, 1, "C"), types.Array(types.int64, 1, "C")
+    groups = (u8, i32, f32)
+    steps = [
+        (ops.plan, (f32, i64, i64, i64, f64, f64, f64, f64, f64, i64, *groups, i64a)),
+        (ops.pack, (f32, i16, i64, i64, i64, i64, *groups, i64a, u8)),
+        (ops.unpack_value, (u8, i64, i64, i64, i64, i64, *groups, i64a, f32)),
+    ]
+    for step, sig in steps:
+        cres = compile_cuda(step.py_func, types.void, sig, fastmath=False, cc=(9, 0))
+        ir = cres.library.get_llvm_str()
+        assert " fast " not in ir and "contract" not in ir, "fast-math flags in " + step.py_func.__name__
+        print("ok", step.py_func.__name__)
     """
 )
 
@@ -57,4 +74,7 @@ def test_cuda_kernels_type_check_for_a_real_device() -> None:
     if out.returncode == 3:
         pytest.skip(out.stdout.strip())
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["ok", "encode", "ok", "decode", "ok", "pack", "ok", "unpack"]
+    assert out.stdout.split() == [
+        "ok", "encode", "ok", "decode", "ok", "pack", "ok", "unpack",
+        "ok", "plan", "ok", "pack", "ok", "unpack_value",
+    ]

@@ -122,6 +122,36 @@ def test_extreme_values(dtype: torch.dtype, values: list[float], e: float) -> No
     assert_within_bound(x, codec.decode(p), e)
 
 
+@pytest.mark.parametrize("serial_below", [0, 1 << 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_serial_and_parallel_cpu_loops_write_the_same_record(
+    monkeypatch: pytest.MonkeyPatch, serial_below: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.relu(torch.randn(5000, generator=gen) * 2.0).to(dtype)
+    x[[7, 900]] = torch.tensor([math.inf, math.nan], dtype=dtype)
+    codec = ErrorBoundCodec()
+    ref = codec.encode(x, error_bound=1e-2, impl="reference")
+    monkeypatch.setattr(_errorbound_kernels, "SERIAL_BELOW", serial_below)  # 0: parallel, 2**40: serial
+    cpu = codec.encode(x, error_bound=1e-2, impl="cpu")
+    assert cpu.to_bytes() == ref.to_bytes()
+    bits = torch.int16 if dtype == torch.float16 else torch.int32
+    decoded = codec.decode(cpu, impl="cpu").view(bits)
+    assert torch.equal(decoded, codec.decode(ref, impl="reference").view(bits))
+
+
+def test_small_tensors_take_the_serial_cpu_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_parallel(*args: object) -> None:
+        raise AssertionError("a parallel launch for a small tensor")
+
+    monkeypatch.setattr(_errorbound_kernels, "cpu_kernels", lambda: _errorbound_kernels.Kernels(
+        no_parallel, no_parallel, no_parallel))
+    codec = ErrorBoundCodec()
+    x = torch.randn(3000)
+    y = codec.decode(codec.encode(x, error_bound=1e-3, impl="cpu"), impl="cpu")
+    assert float((y - x).abs().max()) <= 1e-3
+
+
 def test_every_mode_appears_and_agrees() -> None:
     """One tensor whose groups are raw, sparse, dense and constant."""
     g = 64

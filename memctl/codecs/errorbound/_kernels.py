@@ -1,9 +1,9 @@
 """Numba kernels of the ``errorbound`` codec: one per-group algorithm, two targets.
 
-The per-group steps (plan, pack, unpack) are written once, as plain Python, inside
-:func:`make_group_ops`, which compiles them with whichever decorator it is given:
-``numba.njit`` for the CPU kernels here, ``numba.cuda.jit(device=True)`` for the CUDA
-ones in :mod:`memctl.codecs.errorbound._cuda`.
+The per-group steps (plan, pack, unpack) are written once, as plain Python, in
+:mod:`memctl.codecs.errorbound._ops`, whose :func:`make_group_ops` compiles them for a
+target: ``numba.njit`` for the CPU kernels (:mod:`memctl.codecs.errorbound._cpu`),
+``numba.cuda.jit(device=True)`` for the CUDA ones in :mod:`memctl.codecs.errorbound._cuda`.
 The CPU and CUDA kernels therefore run the same statements; the PyTorch reference in
 :mod:`memctl.codecs.errorbound._reference` is written independently and the tests hold
 all three to byte-identical output. The format and the arithmetic are described in
@@ -11,7 +11,8 @@ NOTE [ errorbound format ] and NOTE [ errorbound arithmetic ] in
 :mod:`memctl.codecs.errorbound`.
 
 Nothing here imports Numba until :func:`cpu_kernels` or :func:`cuda_kernels` is first
-called; both build (compile) once per process.
+called. The CPU loops are cached on disk (NOTE [ Kernel cache ] in
+:mod:`memctl.codecs._numba`); tensors below ``SERIAL_BELOW`` values run them serially.
 
 NOTE [ errorbound parallelism ]
 Encoding runs one work item per group (a ``prange`` iteration on the CPU, a CUDA thread
@@ -30,9 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-from memctl.codecs.errorbound._ops import make_group_ops
-
-__all__ = ["Kernels", "cpu_kernels", "cuda_kernels"]
+__all__ = ["SERIAL_BELOW", "Kernels", "cpu_kernels", "cpu_serial_kernels", "cuda_kernels", "run"]
 
 
 class Kernels(NamedTuple):
@@ -43,39 +42,53 @@ class Kernels(NamedTuple):
     unpack: Any
 
 
+# Below this many values the serial loops run: a parallel launch costs more than the work,
+# and far more while other processes keep the cores busy.
+SERIAL_BELOW = 1 << 15
+
+
 @functools.cache
 def cpu_kernels() -> Kernels:
-    """The ``@njit(parallel=True)`` kernels (compiled on first launch, per argument types)."""
-    import numba
+    """The parallel CPU loops (the serial ones in :func:`cpu_serial_kernels`), from :mod:`._cpu`.
 
-    ops = make_group_ops(numba.njit(fastmath=False))
-    plan_group, pack_group, unpack_group = ops.plan, ops.pack, ops.unpack_group
+    The first call in a process compiles them when Numba's cache does not hold them yet,
+    and says so in the log (NOTE [ Kernel cache ] in :mod:`memctl.codecs._numba`).
+    """
+    from numba import types as nt
 
-    @numba.njit(parallel=True, fastmath=False, nogil=True)
-    def plan(
-        x: Any, n: Any, gs: Any, e: Any, cast_rel: Any, cast_min: Any, shrink: Any, vmax: Any,
-        raw_width: Any, mode: Any, qmin: Any, step: Any, size: Any,
-    ) -> None:
-        for g in numba.prange(mode.shape[0]):
-            plan_group(x, g, n, gs, e, cast_rel, cast_min, shrink, vmax, raw_width, mode, qmin, step, size)
+    from memctl.codecs import _numba
+    from memctl.codecs.errorbound import _cpu
 
-    @numba.njit(parallel=True, fastmath=False, nogil=True)
-    def pack(
-        x: Any, xraw: Any, n: Any, gs: Any, raw_width: Any,
-        mode: Any, qmin: Any, step: Any, offset: Any, payload: Any,
-    ) -> None:
-        for g in numba.prange(mode.shape[0]):
-            pack_group(x, xraw, g, n, gs, raw_width, mode, qmin, step, offset, payload)
+    f32, i16, i32, i64, u8 = (nt.float32[::1], nt.int16[::1], nt.int32[::1], nt.int64[::1], nt.uint8[::1])
+    f64, n64 = nt.float64, nt.int64
+    meta = (u8, i32, f32)
+    plan = [(f32, n64, n64, f64, f64, f64, f64, f64, n64, *meta, i64)]
+    pack = [(f32, raw, n64, n64, n64, *meta, i64, u8) for raw in (i16, i32)]
+    unpack = [(u8, n64, n64, n64, n64, *meta, i64, f32)]
+    _numba.prepare("errorbound", [
+        (_cpu.plan, plan), (_cpu.plan_serial, plan), (_cpu.pack, pack), (_cpu.pack_serial, pack),
+        (_cpu.unpack, unpack), (_cpu.unpack_serial, unpack),
+    ])
+    return Kernels(_cpu.plan, _cpu.pack, _cpu.unpack)
 
-    @numba.njit(parallel=True, fastmath=False, nogil=True)
-    def unpack(
-        payload: Any, n: Any, gs: Any, exp_bits: Any, man_bits: Any,
-        mode: Any, qmin: Any, step: Any, offset: Any, out: Any,
-    ) -> None:
-        for g in numba.prange(mode.shape[0]):
-            unpack_group(payload, g, n, gs, exp_bits, man_bits, mode, qmin, step, offset, out)
 
-    return Kernels(plan, pack, unpack)
+@functools.cache
+def cpu_serial_kernels() -> Kernels:
+    """The serial CPU loops (same bytes as :func:`cpu_kernels`), for small tensors."""
+    cpu_kernels()
+    from memctl.codecs.errorbound import _cpu
+
+    return Kernels(_cpu.plan_serial, _cpu.pack_serial, _cpu.unpack_serial)
+
+
+def run(parallel: Any, serial: Any, n: int, *args: Any) -> None:
+    """``serial(*args)`` below :data:`SERIAL_BELOW` values, else ``parallel`` under the thread budget."""
+    if n < SERIAL_BELOW:
+        serial(*args)
+        return
+    from memctl.codecs import _numba
+
+    _numba.launch(parallel, serial, *args)
 
 
 @functools.cache

@@ -264,20 +264,21 @@ def _offsets(size: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _encode_cpu(
     x32: torch.Tensor, xraw: torch.Tensor, group_size: int, e: float, spec: DtypeSpec
 ) -> dict[str, torch.Tensor]:
-    from memctl.codecs.errorbound._kernels import cpu_kernels
+    from memctl.codecs.errorbound._kernels import cpu_kernels, cpu_serial_kernels, run
 
-    kernels = cpu_kernels()
+    kernels, serial = cpu_kernels(), cpu_serial_kernels()
     n = x32.numel()
     out = _plan_outputs(-(-n // group_size), x32.device)
     meta = (out["mode"].numpy(), out["qmin"].numpy(), out["step"].numpy())
-    kernels.plan(
-        x32.numpy(), n, group_size, e, spec.cast_rel, spec.cast_min, spec.shrink, spec.vmax,
-        spec.raw_width, *meta, out["size"].numpy(),
+    run(
+        kernels.plan, serial.plan, n, x32.numpy(), n, group_size, e, spec.cast_rel, spec.cast_min,
+        spec.shrink, spec.vmax, spec.raw_width, *meta, out["size"].numpy(),
     )
     offset, total = _offsets(out["size"])
     payload = torch.zeros(total, dtype=torch.uint8)
-    kernels.pack(
-        x32.numpy(), xraw.numpy(), n, group_size, spec.raw_width, *meta, offset.numpy(), payload.numpy()
+    run(
+        kernels.pack, serial.pack, n, x32.numpy(), xraw.numpy(), n, group_size, spec.raw_width, *meta,
+        offset.numpy(), payload.numpy(),
     )
     return {**{k: out[k] for k in ("mode", "qmin", "step")}, "offset": offset, "payload": payload}
 
@@ -285,12 +286,13 @@ def _encode_cpu(
 def _decode_cpu(
     buffers: Mapping[str, torch.Tensor], n: int, group_size: int, spec: DtypeSpec
 ) -> torch.Tensor:
-    from memctl.codecs.errorbound._kernels import cpu_kernels
+    from memctl.codecs.errorbound._kernels import cpu_kernels, cpu_serial_kernels, run
 
     arrays = {k: buffers[k].contiguous().numpy() for k in _BUFFERS}
     out = torch.empty(n, dtype=torch.float32)
-    cpu_kernels().unpack(
-        arrays["payload"], n, group_size, spec.exp_bits, spec.man_bits,
+    run(
+        cpu_kernels().unpack, cpu_serial_kernels().unpack, n, arrays["payload"], n, group_size,
+        spec.exp_bits, spec.man_bits,
         arrays["mode"], arrays["qmin"], arrays["step"], arrays["offset"], out.numpy(),
     )
     return out

@@ -1,9 +1,9 @@
 """Numba kernels of the ``lossless`` codec: packing bool masks at one bit per value.
 
 Byte ``k`` of the payload holds values ``8k .. 8k+7``, value ``8k + j`` in bit ``j``
-(LSB first); the bits past the last value are 0. The CPU kernel is a ``prange`` over
-output bytes (compiled a second time without ``parallel`` for masks below
-``SERIAL_BELOW`` values, where a parallel launch costs more than the work). The CUDA
+(LSB first); the bits past the last value are 0. The CPU kernels (in ``_cpu``, cached on
+disk) run a ``prange`` over chunks of output bytes, or serially for masks below
+``SERIAL_BELOW`` values, where a parallel launch costs more than the work. The CUDA
 kernels (in ``_cuda``, imported on first use) run one thread per output byte to
 pack and one thread per value to unpack, on PyTorch's current stream. Nothing here
 imports Numba before a kernel is first asked for.
@@ -12,7 +12,7 @@ imports Numba before a kernel is first asked for.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,44 +35,23 @@ SERIAL_BELOW = 1 << 18
 
 
 @functools.cache
-def cpu_kernels() -> SimpleNamespace:
-    """The CPU pack/unpack kernels (compiled by Numba on their first call)."""
-    import numba
-    from numba import prange
+def cpu_kernels() -> ModuleType:
+    """The module of CPU kernels, :mod:`memctl.codecs.lossless._cpu` (imports Numba).
 
-    def pack(bits: Any, out: Any) -> None:
-        n = bits.size
-        full = n // 8
-        for k in prange(full):
-            j = 8 * k
-            out[k] = (
-                bits[j]
-                | (bits[j + 1] << 1)
-                | (bits[j + 2] << 2)
-                | (bits[j + 3] << 3)
-                | (bits[j + 4] << 4)
-                | (bits[j + 5] << 5)
-                | (bits[j + 6] << 6)
-                | (bits[j + 7] << 7)
-            )
-        if full < out.size:
-            acc = 0
-            for i in range(8 * full, n):
-                acc |= bits[i] << (i - 8 * full)
-            out[full] = acc
+    The first call in a process compiles them when Numba's cache does not hold them yet, and
+    says so in the log (NOTE [ Kernel cache ] in :mod:`memctl.codecs._numba`).
+    """
+    from numba import types as nt
 
-    def unpack(payload: Any, out: Any) -> None:
-        n = out.size
-        for k in prange((n + 7) // 8):
-            b = payload[k]
-            for j in range(min(8, n - 8 * k)):
-                out[8 * k + j] = (b >> j) & 1
+    from memctl.codecs import _numba
+    from memctl.codecs.lossless import _cpu
 
-    parallel = numba.njit(parallel=True, cache=False, nogil=True)
-    serial = numba.njit(parallel=False, cache=False, nogil=True)  # prange runs as range
-    return SimpleNamespace(
-        pack=parallel(pack), unpack=parallel(unpack), pack_serial=serial(pack), unpack_serial=serial(unpack)
+    sig = [(nt.uint8[::1], nt.uint8[::1])]
+    _numba.prepare(
+        "lossless",
+        [(_cpu.pack, sig), (_cpu.pack_serial, sig), (_cpu.unpack, sig), (_cpu.unpack_serial, sig)],
     )
+    return _cpu
 
 
 def pack_cpu(mask: torch.Tensor) -> torch.Tensor:
@@ -81,7 +60,13 @@ def pack_cpu(mask: torch.Tensor) -> torch.Tensor:
     out = torch.empty(-(-n // 8), dtype=torch.uint8)
     if n:
         k = cpu_kernels()
-        (k.pack_serial if n < SERIAL_BELOW else k.pack)(mask.view(torch.uint8).numpy(), out.numpy())
+        args = (mask.view(torch.uint8).numpy(), out.numpy())
+        if n < SERIAL_BELOW:
+            k.pack_serial(*args)
+        else:
+            from memctl.codecs import _numba
+
+            _numba.launch(k.pack, k.pack_serial, *args)
     return out
 
 
@@ -90,7 +75,13 @@ def unpack_cpu(payload: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.uint8)
     if n:
         k = cpu_kernels()
-        (k.unpack_serial if n < SERIAL_BELOW else k.unpack)(payload.numpy(), out.numpy())
+        args = (payload.numpy(), out.numpy())
+        if n < SERIAL_BELOW:
+            k.unpack_serial(*args)
+        else:
+            from memctl.codecs import _numba
+
+            _numba.launch(k.unpack, k.unpack_serial, *args)
     return out.view(torch.bool)
 
 

@@ -103,8 +103,13 @@ def encode(x: Any, n: Any, group: Any, bits: Any, seed: Any, meta: Any, payload:
 
 
 @cuda.jit(fastmath=False)
-def decode(payload: Any, meta: Any, n: Any, group: Any, bits: Any, out: Any) -> None:
-    """One block per group: a shared table of the 2**bits levels, then one input byte per thread."""
+def decode(
+    payload: Any, meta: Any, n: Any, group: Any, bits: Any, out: Any, mask: Any, masked: Any, floor: Any
+) -> None:
+    """One block per group: a shared table of the 2**bits levels, then one input byte per thread.
+
+    With ``masked``, each value also takes its bit of ``mask`` (NOTE [ Masked decode ]).
+    """
     lv = cuda.shared.array(256, np.float32)
     tid = cuda.threadIdx.x
     ngroups = meta.shape[0]
@@ -129,5 +134,8 @@ def decode(payload: Any, meta: Any, n: Any, group: Any, bits: Any, out: Any) -> 
             for j in range(per):
                 i = s + k * per + j
                 if i < e:
-                    out[i] = lv[(b >> (j * bits)) & big]
+                    v = lv[(b >> (j * bits)) & big]
+                    if masked:
+                        v = (floor if v < floor else v) if (mask[i >> 3] >> (i & 7)) & 1 else np.float32(0.0)
+                    out[i] = v
         cuda.syncthreads()  # the table is rebuilt for the next group

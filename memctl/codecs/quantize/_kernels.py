@@ -35,13 +35,13 @@ whole bytes. Both run on PyTorch's current stream with ``fastmath=False``.
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from memctl.codecs import _backend, _rng
+from memctl.codecs import _backend
 
 __all__ = [
     "SERIAL_BELOW",
@@ -60,185 +60,30 @@ SERIAL_BELOW = 1 << 16
 
 
 @functools.cache
-def cpu_kernels() -> SimpleNamespace:
-    """The CPU encode/decode kernels (compiled by Numba on their first call)."""
-    import numba
-    from numba import prange
+def cpu_kernels() -> ModuleType:
+    """The module of CPU kernels, :mod:`memctl.codecs.quantize._cpu` (imports Numba).
 
-    lowbias32 = numba.njit(inline="always")(_rng.lowbias32_numba)
+    The first call in a process compiles the kernels when Numba's cache does not hold them
+    yet, and says so in the log (NOTE [ Kernel cache ] in :mod:`memctl.codecs._numba`).
+    """
+    from numba import types as nt
 
-    @numba.njit(inline="always")
-    def _key(seed: int, hi: int) -> Any:
-        m = np.uint64(0xFFFFFFFF)
-        return lowbias32(np.uint64(seed) ^ ((np.uint64(hi) * np.uint64(0x9E3779B9)) & m))
+    from memctl.codecs import _numba
+    from memctl.codecs.quantize import _cpu
 
-    def encode(x: Any, group: Any, bits: Any, seed: Any, meta: Any, payload: Any, bad: Any) -> None:
-        n = x.size
-        ngroups = meta.shape[0]
-        nchunks = bad.size
-        big = (1 << bits) - 1
-        scale = np.float64(big) * 16777216.0
-        gbytes = group * bits // 8
-        xi = x.view(np.int32)
-        m32 = np.uint64(0xFFFFFFFF)
-        for c in prange(nchunks):
-            g0 = c * ngroups // nchunks
-            g1 = (c + 1) * ngroups // nchunks
-            codes = np.zeros(group, np.uint8)
-            scratch = np.empty(2, np.int32)
-            scratch_f = scratch.view(np.float32)
-            nbad = 0
-            for g in range(g0, g1):
-                s = g * group
-                e = min(s + group, n)
-                m = e - s
-                # Zero-based loops over slices: no negative-index wrap-around, so LLVM vectorises.
-                xs = x[s:e]
-                bs = xi[s:e]
-                # (1) min/max over finite values as integer keys ordered like the floats.
-                lo = np.int32(0x7FFFFFFF)
-                hi = np.int32(-0x7FFFFFFF - 1)
-                amax = np.int32(0)
-                for j in range(m):
-                    b = bs[j]
-                    a = b & np.int32(0x7FFFFFFF)
-                    k = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
-                    fin = a < np.int32(0x7F800000)
-                    klo = k if fin else np.int32(0x7FFFFFFF)
-                    khi = k if fin else np.int32(-0x7FFFFFFF - 1)
-                    lo = klo if klo < lo else lo
-                    hi = khi if khi > hi else hi
-                    amax = a if a > amax else amax
-                special = amax >= np.int32(0x7F800000)
-                nbad += 1 if special else 0
-                scratch[0] = lo ^ ((lo >> np.int32(31)) & np.int32(0x7FFFFFFF))
-                scratch[1] = hi ^ ((hi >> np.int32(31)) & np.int32(0x7FFFFFFF))
-                mn = scratch_f[0]
-                mx = scratch_f[1]
-                if lo > hi:  # no finite value
-                    mn = np.float32(0.0)
-                    mx = np.float32(0.0)
-                mn = mn + np.float32(0.0)  # -0.0 -> +0.0: one canonical zero
-                mx = mx + np.float32(0.0)
-                meta[g, 0] = mn
-                meta[g, 1] = mx
-                # (2) codes
-                mn64 = np.float64(mn)
-                rng = np.float64(mx) - mn64
-                sc = scale / rng if rng > 0.0 else 0.0
-                hi32 = s >> 32
-                key = _key(seed, hi32)
-                if not special and ((e - 1) >> 32) == hi32:
-                    for j in range(m):
-                        t = np.int64((np.float64(xs[j]) - mn64) * sc)
-                        r = np.int64(lowbias32((np.uint64(s + j) & m32) ^ key) >> np.uint64(8))
-                        codes[j] = min((t + r) >> 24, big)
-                else:
-                    for j in range(m):
-                        v = xs[j]
-                        q = 0
-                        if abs(v) <= np.float32(3.4028234663852886e38):
-                            i = s + j
-                            kk = key if (i >> 32) == hi32 else _key(seed, i >> 32)
-                            t = np.int64((np.float64(v) - mn64) * sc)
-                            r = np.int64(lowbias32((np.uint64(i) & m32) ^ kk) >> np.uint64(8))
-                            q = min((t + r) >> 24, big)
-                        codes[j] = q
-                for j in range(m, group):
-                    codes[j] = 0
-                # (3) packing, little-endian within a byte
-                out = payload[g * gbytes : (g + 1) * gbytes]
-                if bits == 2:
-                    for k in range(gbytes):
-                        out[k] = (
-                            codes[4 * k]
-                            | (codes[4 * k + 1] << 2)
-                            | (codes[4 * k + 2] << 4)
-                            | (codes[4 * k + 3] << 6)
-                        )
-                elif bits == 1:
-                    for k in range(gbytes):
-                        out[k] = (
-                            codes[8 * k]
-                            | (codes[8 * k + 1] << 1)
-                            | (codes[8 * k + 2] << 2)
-                            | (codes[8 * k + 3] << 3)
-                            | (codes[8 * k + 4] << 4)
-                            | (codes[8 * k + 5] << 5)
-                            | (codes[8 * k + 6] << 6)
-                            | (codes[8 * k + 7] << 7)
-                        )
-                elif bits == 4:
-                    for k in range(gbytes):
-                        out[k] = codes[2 * k] | (codes[2 * k + 1] << 4)
-                else:
-                    for k in range(gbytes):
-                        out[k] = codes[k]
-            bad[c] = nbad
-
-    def decode(payload: Any, meta: Any, group: Any, bits: Any, out: Any) -> None:
-        n = out.size
-        ngroups = meta.shape[0]
-        nchunks = min(ngroups, 256)
-        big = (1 << bits) - 1
-        gbytes = group * bits // 8
-        for c in prange(nchunks):
-            g0 = c * ngroups // nchunks
-            g1 = (c + 1) * ngroups // nchunks
-            lv = np.empty(big + 1, np.float32)
-            for g in range(g0, g1):
-                mn = meta[g, 0]
-                mx = meta[g, 1]
-                mn64 = np.float64(mn)
-                rng = np.float64(mx) - mn64
-                for q in range(big + 1):
-                    y = np.float32(mn64 + (np.float64(q) * rng) / np.float64(big))
-                    y = mn if y < mn else y
-                    y = mx if y > mx else y
-                    lv[q] = y
-                s = g * group
-                e = min(s + group, n)
-                m = e - s
-                ps = payload[g * gbytes : (g + 1) * gbytes]
-                os = out[s:e]
-                if m == group and bits == 2:
-                    for k in range(gbytes):
-                        b = ps[k]
-                        os[4 * k] = lv[b & 3]
-                        os[4 * k + 1] = lv[(b >> 2) & 3]
-                        os[4 * k + 2] = lv[(b >> 4) & 3]
-                        os[4 * k + 3] = lv[b >> 6]
-                elif m == group and bits == 1:
-                    for k in range(gbytes):
-                        b = ps[k]
-                        for j in range(8):
-                            os[8 * k + j] = lv[(b >> j) & 1]
-                elif m == group and bits == 4:
-                    for k in range(gbytes):
-                        b = ps[k]
-                        os[2 * k] = lv[b & 15]
-                        os[2 * k + 1] = lv[b >> 4]
-                elif bits == 8:
-                    for j in range(m):
-                        os[j] = lv[ps[j]]
-                else:
-                    for j in range(m):
-                        os[j] = lv[(ps[(j * bits) >> 3] >> ((j * bits) & 7)) & big]
-
-    parallel = numba.njit(parallel=True, cache=False, fastmath=False, nogil=True)
-    serial = numba.njit(parallel=False, cache=False, fastmath=False, nogil=True)  # prange runs as range
-    return SimpleNamespace(
-        encode=parallel(encode),
-        decode=parallel(decode),
-        encode_serial=serial(encode),
-        decode_serial=serial(decode),
+    f32, u8, i64 = nt.float32[::1], nt.uint8[::1], nt.int64
+    meta = nt.float32[:, ::1]
+    enc = [(f32, i64, i64, i64, meta, u8, nt.int64[::1])]
+    dec = [(u8, meta, i64, i64, f32, u8, nt.boolean, nt.float32)]
+    _numba.prepare(
+        "quantize",
+        [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec)],
     )
+    return _cpu
 
 
-def _chunks(ngroups: int) -> int:
-    import numba
-
-    return max(1, min(ngroups, numba.get_num_threads() * _CHUNKS_PER_THREAD))
+def _chunks(ngroups: int, threads: int) -> int:
+    return max(1, min(ngroups, threads * _CHUNKS_PER_THREAD))
 
 
 def encode_cpu(
@@ -252,19 +97,41 @@ def encode_cpu(
     if n == 0:
         return payload, meta, 0
     k = cpu_kernels()
-    kernel = k.encode_serial if n < SERIAL_BELOW else k.encode
-    bad = np.zeros(1 if n < SERIAL_BELOW else _chunks(ngroups), dtype=np.int64)
-    kernel(x.numpy(), group, bits, seed, meta.numpy(), payload.numpy(), bad)
+    args = (x.numpy(), group, bits, seed, meta.numpy(), payload.numpy())
+    if n < SERIAL_BELOW:
+        bad = np.zeros(1, dtype=np.int64)
+        k.encode_serial(*args, bad)
+        return payload, meta, int(bad[0])
+    from memctl.codecs import _numba
+
+    bad = np.zeros(_chunks(ngroups, _numba.threads()), dtype=np.int64)
+    _numba.launch(k.encode, k.encode_serial, *args, bad)
     return payload, meta, int(bad.sum())
 
 
-def decode_cpu(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
-    """The float32 values (1-D, ``n`` of them) of a record's payload and metadata, on the CPU."""
+_NO_MASK = np.zeros(1, dtype=np.uint8)
+
+
+def decode_cpu(
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
+    mask: torch.Tensor | None = None, floor: float = 0.0,
+) -> torch.Tensor:
+    """The float32 values (1-D, ``n`` of them) of a record's payload and metadata, on the CPU.
+
+    ``mask``: packed bits (``ceil(n / 8)`` uint8) applied as in NOTE [ Masked decode ] with ``floor``.
+    """
     out = torch.empty(n, dtype=torch.float32)
     if n:
         k = cpu_kernels()
-        kernel = k.decode_serial if n < SERIAL_BELOW else k.decode
-        kernel(payload.numpy(), meta.numpy(), group, bits, out.numpy())
+        bits_arr = _NO_MASK if mask is None else mask.numpy()
+        args = (payload.numpy(), meta.numpy(), group, bits, out.numpy(), bits_arr, mask is not None,
+                np.float32(floor))
+        if n < SERIAL_BELOW:
+            k.decode_serial(*args)
+        else:
+            from memctl.codecs import _numba
+
+            _numba.launch(k.decode, k.decode_serial, *args)
     return out
 
 
@@ -310,8 +177,12 @@ def encode_cuda(
     return payload, meta, count
 
 
-def decode_cuda(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int) -> torch.Tensor:
-    """The float32 values (1-D, ``n`` of them) of a record, decoded by the CUDA kernel."""
+def decode_cuda(
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
+    mask: torch.Tensor | None = None, floor: float = 0.0,
+) -> torch.Tensor:
+    """The float32 values (1-D, ``n`` of them) of a record, decoded by the CUDA kernel (``mask``
+    as in :func:`decode_cpu`)."""
     dev = payload.device
     out = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
@@ -319,7 +190,9 @@ def decode_cuda(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int
     d_out = _backend.to_device_array(out)
     stream = _backend.torch_stream(dev)
     k = cuda_kernels()
+    bits_arr = torch.zeros(1, dtype=torch.uint8, device=dev) if mask is None else mask
     k.decode[_grid(meta.shape[0]), k.TPB, stream](
-        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out
+        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out,
+        _backend.to_device_array(bits_arr), mask is not None, np.float32(floor),
     )
     return _backend.from_device_array(d_out, dev)

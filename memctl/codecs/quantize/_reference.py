@@ -81,9 +81,14 @@ def _encode_chunk(
 
 
 def decode(
-    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
+    mask: torch.Tensor | None = None, floor: float = 0.0,
 ) -> torch.Tensor:
-    """Readable PyTorch decode: the float32 values, 1-D (chunked like the encode)."""
+    """Readable PyTorch decode: the float32 values, 1-D (chunked like the encode).
+
+    With ``mask`` (packed bits, value ``i`` in bit ``i % 8`` of byte ``i // 8``): a value whose
+    bit is 0 becomes +0.0, one whose bit is 1 becomes ``max(value, floor)`` (NOTE [ Masked decode ]).
+    """
     big = (1 << bits) - 1
     gbytes = group * bits // 8
     chunk = max(1, _REF_CHUNK // group)
@@ -101,4 +106,9 @@ def decode(
         table = (mn + (levels * rng) / divisor).to(torch.float32)
         table = torch.maximum(torch.minimum(table, mx32), mn32)
         parts.append(torch.gather(table, 1, q).reshape(-1))
-    return torch.cat(parts)[:n]
+    out = torch.cat(parts)[:n]
+    if mask is None:
+        return out
+    index = torch.arange(n, dtype=torch.int64, device=out.device)
+    on = ((mask[index >> 3].to(torch.int64) >> (index & 7)) & 1).bool()
+    return torch.where(on, torch.clamp_min(out, floor), torch.zeros_like(out))

@@ -46,6 +46,17 @@ report whether any group held one, so the lists are only built when needed; on a
 report is one small device-to-host read per encoded tensor.
 
 The three codecs' formats side by side: docs/formats.md, "quantize".
+
+NOTE [ Masked decode ]
+``decode(p, mask=m)`` takes the bit mask of the values that must come back positive (a
+ReLU output's ``t > 0``, packed as the lossless codec packs bools) and returns, byte for
+byte, ``decode(p).clamp_min_(tiny).mul_(m)`` with ``tiny`` the dtype's smallest normal
+number: values off the mask are +0.0, values on it at least ``tiny``. The kernels (and the
+reference) apply it per group right after expanding the codes, while the group is in L1,
+so the output is written once instead of being decoded, then clamped, then multiplied.
+Raising to ``tiny`` in float32 before the cast to float16/bfloat16 gives the same bits as
+after it, because ``tiny`` is exact in both and rounding is monotonic. Non-finite values
+(the exception list) are written back after the kernel and masked the same way.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ import torch
 
 from memctl.codecs import _backend, _rng
 from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
+from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference
 from memctl.errors import CodecError, ConfigError
 
@@ -66,6 +78,7 @@ BITS: tuple[int, ...] = (1, 2, 4, 8)
 #: The largest group size (values per (min, max) pair): 2**24.
 MAX_GROUP_SIZE = 1 << 24
 _NAME = "quantize"
+_BUFFERS = frozenset({"payload", "meta", "exc_index", "exc_value"})
 
 
 def _check_group_size(group_size: object) -> int:
@@ -116,6 +129,8 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
 
 def _flat_float32(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D float32 tensor of ``t``'s values (a view when ``t`` already is one)."""
+    if t.dtype is torch.float32 and t.is_contiguous():
+        return t.detach().view(-1)
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
@@ -138,6 +153,7 @@ class QuantizeCodec:
     def __init__(self, group_size: int = 256, bits: int = 2) -> None:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
         self._cuda = _backend.CudaFallback(_NAME)
+        self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"QuantizeCodec(group_size={self.config.group_size}, bits={self.config.bits})"
@@ -172,8 +188,7 @@ class QuantizeCodec:
         if nonfinite:
             exc_index, exc_value = _exceptions(flat)
         else:
-            exc_index = torch.empty(0, dtype=torch.int64, device=payload.device)
-            exc_value = torch.empty(0, dtype=torch.float32, device=payload.device)
+            exc_index, exc_value = self._no_exceptions(payload.device)
         return Packed(
             codec=_NAME,
             shape=tuple(t.shape),
@@ -183,12 +198,21 @@ class QuantizeCodec:
             params={"bits": b, "group_size": g, "seed": s},
         )
 
+    def _no_exceptions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty exception buffers for ``device``, made once: every record without a non-finite
+        value shares them (a zero-size tensor holds nothing to modify)."""
+        empty = self._empty.get(device)
+        if empty is None:
+            empty = self._empty[device] = (
+                torch.empty(0, dtype=torch.int64, device=device),
+                torch.empty(0, dtype=torch.float32, device=device),
+            )
+        return empty
+
     def _run_encode(
         self, chosen: Impl, flat: torch.Tensor, bits: int, group: int, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         if chosen is Impl.CPU:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return _quantize_kernels.encode_cpu(flat, bits, group, seed)
 
         def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -196,37 +220,76 @@ class QuantizeCodec:
             return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
 
         if chosen is Impl.CUDA:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
             return self._cuda.run(lambda: _quantize_kernels.encode_cuda(flat, bits, group, seed), reference)
         return reference()
 
-    def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
-        """The tensor a record holds: original shape, dtype and device."""
+    def decode(
+        self, p: Packed, *, impl: Impl | str | None = None, mask: Packed | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tensor a record holds: original shape, dtype and device.
+
+        ``mask`` (NOTE [ Masked decode ]): the values that must come back positive, as a
+        lossless record of a bool tensor (what ``codecs.get('lossless').encode(t > 0)``
+        writes) or a bool tensor, with as many values as ``p``. The result is then, byte
+        for byte, ``decode(p).clamp_min_(tiny).mul_(mask)`` (``tiny`` the dtype's smallest
+        normal number), written in one pass by the decode kernel.
+        """
         bits, group = _record_params(p)
         payload, meta = p.buffers["payload"], p.buffers["meta"]
         n = p.numel
         chosen = _backend.resolve_impl(impl, p.device)
-        flat = self._run_decode(chosen, payload, meta, bits, group, n)
+        packed_mask = None if mask is None else _mask_bits(mask, p)
+        floor = float(torch.finfo(p.dtype).tiny)
+        flat = self._run_decode(chosen, payload, meta, bits, group, n, packed_mask, floor)
         out = flat.to(p.dtype)
         exc_index = p.buffers["exc_index"]
         if exc_index.numel():
-            out[exc_index.to(out.device)] = p.buffers["exc_value"].to(device=out.device, dtype=p.dtype)
+            index = exc_index.to(out.device)
+            values = p.buffers["exc_value"].to(device=out.device, dtype=p.dtype)
+            if packed_mask is not None:
+                keep = (packed_mask.to(out.device)[index >> 3].to(torch.int64) >> (index & 7)) & 1
+                values = values.clamp_min(floor).mul(keep.to(p.dtype))
+            out[index] = values
         return out.reshape(p.shape).to(p.device)
 
     def _run_decode(
-        self, chosen: Impl, payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int
+        self, chosen: Impl, payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
+        mask: torch.Tensor | None = None, floor: float = 0.0,
     ) -> torch.Tensor:
         if chosen is Impl.CPU:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
-
-            return _quantize_kernels.decode_cpu(payload, meta, bits, group, n)
+            return _quantize_kernels.decode_cpu(payload, meta, bits, group, n, mask, floor)
         if chosen is Impl.CUDA:
-            from memctl.codecs.quantize import _kernels as _quantize_kernels
+            return self._cuda.run(
+                lambda: _quantize_kernels.decode_cuda(payload, meta, bits, group, n, mask, floor),
+                lambda: _reference.decode(payload, meta, bits, group, n, mask, floor),
+            )
+        return _reference.decode(payload, meta, bits, group, n, mask, floor)
 
-            return self._cuda.run(lambda: _quantize_kernels.decode_cuda(payload, meta, bits, group, n),
-                                  lambda: _reference.decode(payload, meta, bits, group, n))
-        return _reference.decode(payload, meta, bits, group, n)
+
+def _mask_bits(mask: object, p: Packed) -> torch.Tensor:
+    """The packed bits (``ceil(n / 8)`` uint8 on ``p``'s device) of a decode mask, validated."""
+    if isinstance(mask, Packed):
+        if mask.codec != "lossless" or mask.dtype is not torch.bool or "payload" not in mask.buffers:
+            raise CodecError(
+                f"mask must be a lossless record of a bool tensor, got a {mask.codec!r} record of "
+                f"{mask.dtype}; encode it with codecs.get('lossless').encode(t > 0)"
+            )
+        numel, bits = mask.numel, mask.buffers["payload"]
+    elif isinstance(mask, torch.Tensor) and mask.dtype is torch.bool:
+        from memctl.codecs.lossless import _reference as _lossless_reference
+
+        numel, bits = mask.numel(), _lossless_reference.pack(mask.detach().reshape(-1).contiguous())
+    else:
+        raise CodecError(
+            f"mask must be a bool tensor or a lossless record of one, got {type(mask).__name__}"
+            f"{' of ' + str(mask.dtype) if isinstance(mask, torch.Tensor) else ''}; pass t > 0"
+        )
+    if numel != p.numel:
+        raise CodecError(
+            f"mask has {numel} values but the record holds {p.numel} ({tuple(p.shape)}); "
+            "pass the mask of the same tensor"
+        )
+    return bits.to(p.device).contiguous()
 
 
 def _record_params(p: Any) -> tuple[int, int]:
@@ -234,7 +297,7 @@ def _record_params(p: Any) -> tuple[int, int]:
     if not isinstance(p, Packed) or p.codec != _NAME:
         got = p.codec if isinstance(p, Packed) else type(p).__name__
         raise CodecError(f"'quantize' decodes its own Packed records, got {got!r}; use codecs.decode(p)")
-    missing = {"payload", "meta", "exc_index", "exc_value"} - set(p.buffers)
+    missing = _BUFFERS.difference(p.buffers)
     if missing:
         raise CodecError(f"quantize record lacks buffers {sorted(missing)}; it was not written by encode")
     try:

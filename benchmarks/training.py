@@ -1,0 +1,295 @@
+"""Training side by side: plain PyTorch, memctl, activation checkpointing, CPU offloading.
+
+Four models (a 4-block residual CNN, batch 32, 3x48x48; a 4-layer transformer LM, d 256,
+seq 256, batch 16; a 2-layer GRU, seq 48; a 3-layer MLP, batch 64), each trained for a few
+steps with the same data and seed under each method, every (model, method) pair in its own
+process:
+
+- ``plain``: PyTorch as it is.
+- ``memctl``: ``Controller(model, optimizer, bits=2)``, the default policy at 2 bits.
+- ``memctl-budget``: the same with a memory budget: the model and optimizer state plus
+  ``--budget-fraction`` of the activation memory plain PyTorch held (so the allocation
+  chooses the bits per layer within it).
+- ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around every block/layer.
+- ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu``; on a CPU it only copies each saved
+  tensor (there is nowhere to offload to), so it shows that copy's cost and saves nothing.
+
+Memory is measured from outside memctl: on the CPU, the growth of the process's resident
+set (``/proc/self/statm``) from just before the forward pass to just before the backward
+pass, with ``MALLOC_MMAP_THRESHOLD_=65536`` in the child's environment so that freed
+tensors leave the resident set (and glibc's ``malloc_trim(0)`` before each forward, outside
+the timed region, for the small blocks below that threshold); on a GPU,
+``torch.cuda.max_memory_allocated`` during the forward minus the memory allocated before it.
+Step time is the median over the measured steps after warm-up (forward, backward and
+optimizer step); loss is the last step's.
+
+    python benchmarks/training.py                    # all models and methods, CPU
+    python benchmarks/training.py --quick            # fewer steps
+    python benchmarks/training.py --device cuda --models cnn,transformer
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MODELS = ("cnn", "transformer", "gru", "mlp")
+METHODS = ("plain", "memctl", "memctl-budget", "checkpoint", "save_on_cpu")
+
+
+# -- models --------------------------------------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class _Chain(nn.Module):
+    """Stem, a list of blocks (checkpointed one by one when asked), head."""
+
+    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module) -> None:
+        super().__init__()
+        self.stem = stem
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+        self.checkpointed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+class _CausalLayer(nn.Module):
+    def __init__(self, d: int, seq: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, src_mask=self.mask, is_causal=True)  # type: ignore[no-any-return]
+
+
+class _GRULayer(nn.Module):
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.gru = nn.GRU(d_in, d, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x)[0]  # type: ignore[no-any-return]
+
+
+class _Last(nn.Module):
+    def __init__(self, d: int, classes: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x[:, -1])  # type: ignore[no-any-return]
+
+
+def build(name: str) -> tuple[_Chain, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
+    """The model and a function drawing one batch ``(input, target)``."""
+    if name == "cnn":
+        c = 32
+        model = _Chain(
+            nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()),
+            [_Block(c) for _ in range(4)],
+            nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10)),
+        )
+        return model, lambda g: (torch.randn(32, 3, 48, 48, generator=g),
+                                 torch.randint(0, 10, (32,), generator=g))
+    if name == "transformer":
+        d, seq, vocab = 256, 256, 1000
+        model = _Chain(
+            nn.Embedding(vocab, d),
+            [_CausalLayer(d, seq) for _ in range(4)],
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab), nn.Flatten(0, 1)),
+        )
+        return model, lambda g: (torch.randint(0, vocab, (16, seq), generator=g),
+                                 torch.randint(0, vocab, (16 * seq,), generator=g))
+    if name == "gru":
+        d, seq = 128, 48
+        model = _Chain(nn.Linear(32, d), [_GRULayer(d, d) for _ in range(2)], _Last(d, 10))
+        return model, lambda g: (torch.randn(32, seq, 32, generator=g),
+                                 torch.randint(0, 10, (32,), generator=g))
+    if name == "mlp":
+        model = _Chain(
+            nn.Flatten(),
+            [nn.Sequential(nn.Linear(784 if i == 0 else 512, 512), nn.ReLU()) for i in range(2)],
+            nn.Linear(512, 10),
+        )
+        return model, lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+# -- one configuration (child process) --------------------------------------------------------
+def _trim() -> None:
+    """Return freed heap pages to the system (glibc), so the next forward's growth shows in RSS."""
+    # Not glibc: small freed blocks stay resident and the figure is a lower bound.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    for state in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def run_child(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model, batch = build(args.model)
+    model.to(device)
+    model.checkpointed = args.method == "checkpoint"
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    controller = None
+    if args.method.startswith("memctl"):
+        from memctl import Controller
+
+        budget = args.budget_bytes if args.method == "memctl-budget" else None
+        controller = Controller(model, optimizer, bits=2, budget=budget)
+    gen = torch.Generator().manual_seed(1)
+    loss_fn = nn.CrossEntropyLoss()
+    times: list[float] = []
+    held: list[int] = []
+    loss = float("nan")
+    cuda = device.type == "cuda"
+    for step in range(args.warmup + args.steps):
+        x, y = (t.to(device) for t in batch(gen))
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _trim()
+            base = _rss()
+        start = time.perf_counter()
+        if args.method == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
+                out = loss_fn(model(x), y)
+        else:
+            out = loss_fn(model(x), y)
+        if cuda:
+            torch.cuda.synchronize()
+            grown = torch.cuda.max_memory_allocated() - base
+        else:
+            grown = _rss() - base
+        out.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        loss = float(out.detach())
+        if step >= args.warmup:
+            times.append(elapsed)
+            held.append(grown)
+    result = {
+        "model": args.model,
+        "method": args.method,
+        "step_ms": statistics.median(times) * 1e3,
+        "held_bytes": statistics.median(held),
+        "loss": loss,
+        "state_bytes": _state_bytes(model, optimizer),
+    }
+    if controller is not None:
+        controller.detach()
+    return result
+
+
+# -- the table (parent process) -----------------------------------------------------------------
+def _spawn(args: argparse.Namespace, model: str, method: str, budget: int | None) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--method", method,
+           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if budget is not None:
+        cmd += ["--budget-bytes", str(budget)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return {"model": model, "method": method, "error": out.stderr.strip().splitlines()[-1:]}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="3 warm-up and 5 measured steps")
+    parser.add_argument("--budget-fraction", type=float, default=0.125,
+                        help="memctl-budget: activation share of plain's held memory (default 1/8)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+    if args.quick:
+        args.steps, args.warmup = 5, 3
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False here")
+    methods = [m for m in args.methods.split(",") if m]
+    if "memctl-budget" in methods and "plain" not in methods:
+        methods.insert(0, "plain")
+    print(f"device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"{args.warmup} warm-up + {args.steps} measured steps, load {os.getloadavg()[0]:.2f}")
+    print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'held MiB':>9} {'less':>7} "
+          f"{'loss':>8}")
+    for model in [m for m in args.models.split(",") if m]:
+        plain: dict[str, Any] | None = None
+        for method in methods:
+            budget = None
+            if method == "memctl-budget":
+                if plain is None or "error" in plain:
+                    continue
+                budget = int((plain["state_bytes"] + args.budget_fraction * plain["held_bytes"]) / 0.9)
+            r = _spawn(args, model, method, budget)
+            if "error" in r:
+                print(f"{model:<12} {method:<14} failed: {r['error']}")
+                continue
+            if method == "plain":
+                plain = r
+            ratio = r["step_ms"] / plain["step_ms"] if plain else float("nan")
+            small = r["held_bytes"] < 2**16  # below a few pages: the ratio says nothing
+            less = f"{plain['held_bytes'] / r['held_bytes']:>6.1f}x" if plain and not small else "    n/a"
+            print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} "
+                  f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['loss']:>8.4f}", flush=True)
+    print(f"load at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

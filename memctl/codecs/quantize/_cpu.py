@@ -1,0 +1,231 @@
+"""Numba CPU kernels of the ``quantize`` codec (NOTE [ Quantize CPU kernel ] in ``_kernels``).
+
+Module-level functions compiled with ``cache=True`` (NOTE [ Kernel cache ] in
+:mod:`memctl.codecs._numba`). This module imports Numba at its top, so it is imported only on
+a codec's first CPU use (:func:`memctl.codecs.quantize._kernels.cpu_kernels`).
+
+The work of a range of groups is one function (``_encode_groups``, ``_decode_groups``); the
+parallel entry points run chunks of groups in a ``prange``, the serial ones run all groups
+in one call, so both compile the same per-group code and write the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import prange
+
+from memctl.codecs import _rng
+from memctl.codecs._numba import cached_jit
+
+__all__ = ["decode", "decode_serial", "encode", "encode_serial"]
+
+_lowbias32 = numba.njit(inline="always")(_rng.lowbias32_numba)
+
+
+@numba.njit(inline="always")
+def _key(seed: Any, hi: Any) -> Any:
+    m = np.uint64(0xFFFFFFFF)
+    return _lowbias32(np.uint64(seed) ^ ((np.uint64(hi) * np.uint64(0x9E3779B9)) & m))
+
+
+@cached_jit(fastmath=False)
+def _encode_groups(
+    x: Any, g0: Any, g1: Any, group: Any, bits: Any, seed: Any, meta: Any, payload: Any
+) -> Any:
+    """Encode groups ``g0 .. g1 - 1``; the number of them holding a non-finite value."""
+    n = x.size
+    big = (1 << bits) - 1
+    scale = np.float64(big) * 16777216.0
+    gbytes = group * bits // 8
+    xi = x.view(np.int32)
+    m32 = np.uint64(0xFFFFFFFF)
+    codes = np.zeros(group, np.uint8)
+    scratch = np.empty(2, np.int32)
+    scratch_f = scratch.view(np.float32)
+    nbad = 0
+    for g in range(g0, g1):
+        s = g * group
+        e = min(s + group, n)
+        m = e - s
+        # Zero-based loops over slices: no negative-index wrap-around, so LLVM vectorises.
+        xs = x[s:e]
+        bs = xi[s:e]
+        # (1) min/max over finite values as integer keys ordered like the floats.
+        lo = np.int32(0x7FFFFFFF)
+        hi = np.int32(-0x7FFFFFFF - 1)
+        amax = np.int32(0)
+        for j in range(m):
+            b = bs[j]
+            a = b & np.int32(0x7FFFFFFF)
+            k = b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))
+            fin = a < np.int32(0x7F800000)
+            klo = k if fin else np.int32(0x7FFFFFFF)
+            khi = k if fin else np.int32(-0x7FFFFFFF - 1)
+            lo = klo if klo < lo else lo
+            hi = khi if khi > hi else hi
+            amax = a if a > amax else amax
+        special = amax >= np.int32(0x7F800000)
+        nbad += 1 if special else 0
+        scratch[0] = lo ^ ((lo >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        scratch[1] = hi ^ ((hi >> np.int32(31)) & np.int32(0x7FFFFFFF))
+        mn = scratch_f[0]
+        mx = scratch_f[1]
+        if lo > hi:  # no finite value
+            mn = np.float32(0.0)
+            mx = np.float32(0.0)
+        mn = mn + np.float32(0.0)  # -0.0 -> +0.0: one canonical zero
+        mx = mx + np.float32(0.0)
+        meta[g, 0] = mn
+        meta[g, 1] = mx
+        # (2) codes
+        mn64 = np.float64(mn)
+        rng = np.float64(mx) - mn64
+        sc = scale / rng if rng > 0.0 else 0.0
+        hi32 = s >> 32
+        key = _key(seed, hi32)
+        if not special and ((e - 1) >> 32) == hi32:
+            for j in range(m):
+                t = np.int64((np.float64(xs[j]) - mn64) * sc)
+                r = np.int64(_lowbias32((np.uint64(s + j) & m32) ^ key) >> np.uint64(8))
+                codes[j] = min((t + r) >> 24, big)
+        else:
+            for j in range(m):
+                v = xs[j]
+                q = 0
+                if abs(v) <= np.float32(3.4028234663852886e38):
+                    i = s + j
+                    kk = key if (i >> 32) == hi32 else _key(seed, i >> 32)
+                    t = np.int64((np.float64(v) - mn64) * sc)
+                    r = np.int64(_lowbias32((np.uint64(i) & m32) ^ kk) >> np.uint64(8))
+                    q = min((t + r) >> 24, big)
+                codes[j] = q
+        for j in range(m, group):
+            codes[j] = 0
+        # (3) packing, little-endian within a byte
+        out = payload[g * gbytes : (g + 1) * gbytes]
+        if bits == 2:
+            for k in range(gbytes):
+                out[k] = (
+                    codes[4 * k] | (codes[4 * k + 1] << 2) | (codes[4 * k + 2] << 4) | (codes[4 * k + 3] << 6)
+                )
+        elif bits == 1:
+            for k in range(gbytes):
+                out[k] = (
+                    codes[8 * k]
+                    | (codes[8 * k + 1] << 1)
+                    | (codes[8 * k + 2] << 2)
+                    | (codes[8 * k + 3] << 3)
+                    | (codes[8 * k + 4] << 4)
+                    | (codes[8 * k + 5] << 5)
+                    | (codes[8 * k + 6] << 6)
+                    | (codes[8 * k + 7] << 7)
+                )
+        elif bits == 4:
+            for k in range(gbytes):
+                out[k] = codes[2 * k] | (codes[2 * k + 1] << 4)
+        else:
+            for k in range(gbytes):
+                out[k] = codes[k]
+    return nbad
+
+
+@cached_jit(fastmath=False)
+def _decode_groups(
+    payload: Any, meta: Any, g0: Any, g1: Any, group: Any, bits: Any, out: Any,
+    mask: Any, masked: Any, floor: Any,
+) -> None:
+    """Decode groups ``g0 .. g1 - 1`` into ``out``; with ``masked``, apply the mask bits too.
+
+    A value whose bit in ``mask`` (bit ``i % 8`` of byte ``i // 8``) is 0 becomes +0.0, one
+    whose bit is 1 becomes ``max(value, floor)`` (NOTE [ Masked decode ] in the codec module).
+    """
+    n = out.size
+    big = (1 << bits) - 1
+    gbytes = group * bits // 8
+    lv = np.empty(big + 1, np.float32)
+    for g in range(g0, g1):
+        mn = meta[g, 0]
+        mx = meta[g, 1]
+        mn64 = np.float64(mn)
+        rng = np.float64(mx) - mn64
+        for q in range(big + 1):
+            y = np.float32(mn64 + (np.float64(q) * rng) / np.float64(big))
+            y = mn if y < mn else y
+            y = mx if y > mx else y
+            lv[q] = y
+        s = g * group
+        e = min(s + group, n)
+        m = e - s
+        ps = payload[g * gbytes : (g + 1) * gbytes]
+        os = out[s:e]
+        if m == group and bits == 2:
+            for k in range(gbytes):
+                b = ps[k]
+                os[4 * k] = lv[b & 3]
+                os[4 * k + 1] = lv[(b >> 2) & 3]
+                os[4 * k + 2] = lv[(b >> 4) & 3]
+                os[4 * k + 3] = lv[b >> 6]
+        elif m == group and bits == 1:
+            for k in range(gbytes):
+                b = ps[k]
+                for j in range(8):
+                    os[8 * k + j] = lv[(b >> j) & 1]
+        elif m == group and bits == 4:
+            for k in range(gbytes):
+                b = ps[k]
+                os[2 * k] = lv[b & 15]
+                os[2 * k + 1] = lv[b >> 4]
+        elif bits == 8:
+            for j in range(m):
+                os[j] = lv[ps[j]]
+        else:
+            for j in range(m):
+                os[j] = lv[(ps[(j * bits) >> 3] >> ((j * bits) & 7)) & big]
+        if masked:  # groups start on a multiple of 8 values, so on a mask byte
+            ms = mask[s >> 3 : (e + 7) >> 3]
+            for j in range(m):
+                v = os[j]
+                v = floor if v < floor else v
+                os[j] = v if (ms[j >> 3] >> (j & 7)) & 1 else np.float32(0.0)
+
+
+@cached_jit(parallel=True, fastmath=False)
+def encode(x: Any, group: Any, bits: Any, seed: Any, meta: Any, payload: Any, bad: Any) -> None:
+    """Parallel encode: ``bad.size`` chunks of whole groups, one ``prange`` iteration each."""
+    ngroups = meta.shape[0]
+    nchunks = bad.size
+    for c in prange(nchunks):
+        bad[c] = _encode_groups(
+            x, c * ngroups // nchunks, (c + 1) * ngroups // nchunks, group, bits, seed, meta, payload
+        )
+
+
+@cached_jit(fastmath=False)
+def encode_serial(x: Any, group: Any, bits: Any, seed: Any, meta: Any, payload: Any, bad: Any) -> None:
+    """Serial encode: every group in one call (``bad`` has one entry)."""
+    bad[0] = _encode_groups(x, 0, meta.shape[0], group, bits, seed, meta, payload)
+
+
+@cached_jit(parallel=True, fastmath=False)
+def decode(
+    payload: Any, meta: Any, group: Any, bits: Any, out: Any, mask: Any, masked: Any, floor: Any
+) -> None:
+    """Parallel decode: up to 256 chunks of whole groups."""
+    ngroups = meta.shape[0]
+    nchunks = min(ngroups, 256)
+    for c in prange(nchunks):
+        _decode_groups(
+            payload, meta, c * ngroups // nchunks, (c + 1) * ngroups // nchunks, group, bits, out,
+            mask, masked, floor,
+        )
+
+
+@cached_jit(fastmath=False)
+def decode_serial(
+    payload: Any, meta: Any, group: Any, bits: Any, out: Any, mask: Any, masked: Any, floor: Any
+) -> None:
+    """Serial decode: every group in one call."""
+    _decode_groups(payload, meta, 0, meta.shape[0], group, bits, out, mask, masked, floor)

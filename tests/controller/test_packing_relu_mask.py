@@ -1,0 +1,47 @@
+"""The ReLU-mask path of :class:`memctl.controller.packing.Packer` (NOTE [ ReLU masks ]).
+
+The quantize codec applies the mask inside its decode (NOTE [ Masked decode ]); the unpacked
+tensor must be exactly what decoding and then masking gives, and keep the ReLU's sign.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memctl.codecs import get
+from memctl.controller.config import ControllerConfig
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.packing import Packer, Saved
+
+
+def _packer() -> Packer:
+    tracker = ModuleTracker()
+    tracker.model_depth = 1  # inside the model's forward: compressed, not kept exact
+
+    def fail(layer: str, exc: BaseException) -> None:
+        raise AssertionError(f"codec fallback in {layer}: {exc}")
+
+    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), fail)
+
+
+def test_relu_output_unpacks_as_decode_then_mask() -> None:
+    x = torch.randn(3000, 7, requires_grad=True)
+    y = torch.relu(x)
+    packer = _packer()
+    saved = packer.pack(y)
+    assert isinstance(saved, Saved) and saved.mask is not None
+    out = packer.unpack(saved)
+    expected = get("quantize").decode(saved.data).clamp_min_(torch.finfo(torch.float32).tiny)
+    expected.mul_(get("lossless").decode(saved.mask))
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(out > 0, y > 0)
+
+
+def test_relu_gradient_through_the_packer_keeps_the_sign_mask() -> None:
+    x = torch.randn(4096, requires_grad=True)
+    packer = _packer()
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        y = torch.relu(x)
+    y.sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, (x > 0).float())

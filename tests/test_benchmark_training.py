@@ -1,0 +1,26 @@
+"""Smoke run of ``benchmarks/training.py`` on the MLP: every method's child process runs and reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "training.py"
+
+
+@pytest.mark.slow
+def test_training_benchmark_runs_each_method_in_its_own_process() -> None:
+    methods = ["plain", "memctl", "memctl-budget", "checkpoint", "save_on_cpu"]
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", "mlp", "--methods", ",".join(methods),
+         "--steps", "1", "--warmup", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("mlp ")]
+    assert [r[1] for r in rows] == methods, out.stdout
+    assert all(len(r) == 7 for r in rows), out.stdout  # no "failed" row
+    assert all(float(r[2]) > 0 for r in rows)
