@@ -395,5 +395,6 @@ class _WithImpl:
                seed: int = 0, impl: Impl | str | None = None) -> Packed:
         return self._inner.encode(t, bits=bits, error_bound=error_bound, seed=seed, impl=impl or self._impl)
 
-    def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
-        return self._inner.decode(p, impl=impl or self._impl)
+    def decode(self, p: Packed, *, impl: Impl | str | None = None, **options: Any) -> torch.Tensor:
+        # options: what the codec's own decode takes besides impl (quantize's mask=).
+        return self._inner.decode(p, impl=impl or self._impl, **options)

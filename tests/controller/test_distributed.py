@@ -371,7 +371,7 @@ def test_budget_put_on_rank1_applies_on_both_ranks_at_the_same_step(ranks: list[
 def test_each_rank_serves_on_its_port_with_rank_labels(ranks: list[dict[str, Any]]) -> None:
     assert ranks[1]["port"] == ranks[0]["port"] + 1
     for rank, r in enumerate(ranks):
-        assert f'memctl_step{{rank="{rank}"}}' in r["metrics"]
+        assert f'memctl_steps_total{{rank="{rank}"}}' in r["metrics"]
         assert f'memctl_world_size{{rank="{rank}"}} 2.0' in r["metrics"]
         assert f'rank="{1 - rank}"' not in r["metrics"]
 
