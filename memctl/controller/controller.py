@@ -142,6 +142,7 @@ class Controller:
         self._totals: dict[str, Any] = {"raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0}
         self._tracker = ModuleTracker()
         self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
+        self._tracker.on_exit = self._packer.observe
         self._packer.set_parameters(model)
         self._scope = SavedTensorScope(self._packer.pack, self._packer.unpack, self._capturing)
         self._handles: list[Any] = []
@@ -233,6 +234,7 @@ class Controller:
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._tracker.model_depth > 0:
             self._tracker.model_depth -= 1
+        self._packer.observe(output)
 
     def begin_step(self) -> None:
         """Open the capture window now (NOTE [ Capture window ]); a no-op while it is open.

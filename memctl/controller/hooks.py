@@ -128,6 +128,8 @@ class ModuleTracker:
         self._stack: list[str] = []
         self.module_calls = 0
         self.model_depth = 0
+        self.on_exit: Callable[[Any], None] | None = None
+        """Called with each submodule's output (the packer matches region codes there)."""
 
     @property
     def current(self) -> str:
@@ -165,6 +167,8 @@ class ModuleTracker:
                 return
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
+            if self.on_exit is not None:
+                self.on_exit(output)
 
         return hook
 

@@ -26,15 +26,19 @@ alive after autograd has freed it (with gradient accumulation every micro-batch'
 records would otherwise stay until the optimizer step; NOTE [ Micro-batches ]).
 
 NOTE [ ReLU masks ]
-ReLU's backward reads only the sign of its saved output (``result > 0``). Quantising that
-output stochastically turns many small positive values into exact zeros and so drops
-their gradient: at 2 bits most of the mask would be wrong. A float tensor produced by a
-ReLU (recognised by its ``grad_fn``) therefore also keeps an exact 1-bit mask of its
-positive values (the lossless codec's bit-packed bool), and decoding puts every positive
-value back above zero and every zero at exactly zero. The same record serves the next
-layer, which reads the quantised values (ActNN keeps such a mask too). The quantize codec
-applies the mask inside its decode kernel (``decode(p, mask=...)``, NOTE [ Masked decode ]),
-so the final tensor is written in one pass; other codecs decode, then mask.
+Generalised to every op whose backward branches on its saved tensor: see
+NOTE [ Derivative regions ] in ``memctl/controller/regions.py``. A float tensor produced by
+such an op (recognised by its ``grad_fn``), or saved as the input of one (recognised by
+the op's node when it appears, NOTE [ Finding the op that saved a tensor ]), also keeps
+an exact 1- or 2-bit region code (the lossless codec's bit-packed bools), and decoding
+puts every value back inside its true region: for ReLU, every positive value above zero
+and every zero at exactly zero. The same record serves the next layer, which reads the
+quantised values (ActNN keeps such a mask too). The code's bytes count as the layer's
+``mask_bytes``, so the allocation prices them.
+For a ReLU output compressed by the quantize codec, the code is applied inside the codec's
+decode kernel (``decode(p, mask=...)``, NOTE [ Masked decode ]), so the final tensor is
+written in one pass; other codes are applied after decoding (the projections commute: each
+region holds the true value, so clamping into one never leaves another).
 
 NOTE [ Distributed parameters and recomputation ]
 - FSDP2's unsharded parameters are recognised through FSDP's own parameter objects
@@ -69,6 +73,7 @@ from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.microbatch import MicroBatch, peak_basis
+from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
@@ -77,9 +82,6 @@ from memctl.errors import CodecError
 __all__ = ["Packer", "Saved"]
 
 _log = logging.getLogger("memctl.controller")
-
-# grad_fn names of ops whose backward needs only the output's sign (NOTE [ ReLU masks ]).
-_MASKED_OPS = frozenset({"ReluBackward0", "ReluBackward1", "ThresholdBackward0", "ThresholdBackward1"})
 
 # grad_fn names of ops whose saved output is never quantised (NOTE [ What is compressed ]).
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
@@ -90,11 +92,15 @@ _DedupKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
 
-    __slots__ = ("__weakref__", "data", "device", "dtype", "mask", "owner", "shape", "source", "version")
+    __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "regions", "shape", "source",
+                 "version")
 
-    def __init__(self, data: Packed | torch.Tensor, like: torch.Tensor, mask: Packed | None = None) -> None:
+    def __init__(self, data: Packed | torch.Tensor, like: torch.Tensor, regions: tuple[RegionCode, ...] = (),
+                 layer: str | None = None) -> None:
         self.data = data
-        self.mask = mask
+        self.regions = regions
+        self.layer = layer
+        """The layer whose bits decide this record (None: not under the allocation's control)."""
         self.shape = like.shape
         self.dtype = like.dtype
         self.device = like.device
@@ -130,6 +136,7 @@ class Packer:
         self.last_micro_batches = 0
         """Micro-batches (forwards that backward read) in the last finished step."""
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
+        self._regions = RegionTracker()
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -153,6 +160,7 @@ class Packer:
         self._begun = step
         self._seed_base = (step * 0x9E3779B1) & 0xFFFFFFFF
         self._counter = 0
+        self._regions.clear()
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
@@ -176,6 +184,7 @@ class Packer:
         self._micro = MicroBatch()
         self._step = self._micro.records
         self._seen.clear()
+        self._regions.clear()
         self._begun = None
         self.last_samples = peak.samples
         self.last_micro_batches = peak.micro_batches
@@ -199,6 +208,7 @@ class Packer:
             self.passed += 1
             self.fsdp_passed += 1
             return t
+        self.observe(t)
         ptr = local_tensor(t).untyped_storage().data_ptr()
         if ptr in self._param_ptrs:
             self.passed += 1
@@ -209,6 +219,8 @@ class Packer:
         if hit is not None and hit[0]() is not None:
             again = hit[1]()
             if again is not None:
+                if again.layer is not None:
+                    self._regions.note(t, again, again.layer)
                 return again
         layer = self._tracker.current
         try:
@@ -220,10 +232,24 @@ class Packer:
         saved.source, saved.version, saved.owner = source, t._version, self._micro
         self._micro.track(saved)
         self._seen[key] = (source, weakref.ref(saved))
+        if saved.layer is not None:
+            self._regions.note(t, saved, saved.layer)
         return saved
+
+    def observe(self, output: Any) -> None:
+        """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
+        if isinstance(output, dict):
+            items = list(output.values())
+        else:
+            items = list(output) if isinstance(output, tuple | list) else [output]
+        for t in items:
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                for pending, part in self._regions.matches(t):
+                    self._attach_region(pending.saved, part, pending.source, pending.layer)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
+        self._regions.clear()  # the forward is over: no pending input can still be matched
         if isinstance(saved, torch.Tensor):
             return saved
         if isinstance(saved, SavedRef):
@@ -238,17 +264,21 @@ class Packer:
             return data
         start = time.perf_counter()
         codec: Any = self._codec(data.codec)
-        fused = saved.mask is not None and data.codec == "quantize"  # NOTE [ ReLU masks ]
-        out = codec.decode(data, mask=saved.mask) if fused else codec.decode(data)
+        fused = _relu_code(saved) if data.codec == "quantize" else None  # NOTE [ ReLU masks ]
+        out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
                 f"codec {data.codec!r} decoded a {tuple(out.shape)} {out.dtype} tensor on {out.device} "
                 f"for a saved {tuple(saved.shape)} {saved.dtype} tensor on {saved.device}; "
                 "this is a bug in the codec, please report it"
             )
-        if saved.mask is not None and not fused:
-            positive = self._codec("lossless").decode(saved.mask)
-            out = out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive)
+        for region in saved.regions:
+            if region is fused:
+                continue
+            code = torch.zeros(saved.shape, dtype=torch.uint8, device=out.device)
+            for bit, plane in enumerate(region.planes):
+                code |= self._codec("lossless").decode(plane).to(torch.uint8) << bit
+            out = region.partition.project(out, code)
         self.timings.observe_decode(time.perf_counter() - start)
         return out
 
@@ -277,18 +307,18 @@ class Packer:
             return Saved(t.detach().clone(), t)
         rec.numels.append(t.numel())
         rec.element_size = t.element_size()
-        masked = t.grad_fn is not None and type(t.grad_fn).__name__ in _MASKED_OPS
-        mask_nbytes = -(-t.numel() // 8) if masked else 0
+        part = result_partition(t.grad_fn)
+        mask_nbytes = part.nbytes(t.numel()) if part is not None else 0
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
         if bits >= KEEP_BITS:
             rec.bit_values += 8 * t.element_size() * t.numel()
             rec.packed_bytes += nbytes
-            return Saved(t.detach().clone(), t)
+            return Saved(t.detach().clone(), t, layer=layer)
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         try:
-            p, mask = self._compress(t, bits, error_bound, seed, masked)
+            p, region = self._compress(t, bits, error_bound, seed, part)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             rec.fixed_bytes += nbytes
@@ -296,24 +326,44 @@ class Packer:
             rec.numels.pop()
             rec.mask_bytes -= mask_nbytes
             return Saved(t.detach().clone(), t)
-        if mask is not None:
-            rec.packed_bytes += mask.nbytes
+        if region is not None:
+            rec.packed_bytes += region.nbytes
         rec.bit_values += bits * t.numel()
         rec.packed_bytes += p.nbytes
         self._range_stats(t, p, rec)
-        return Saved(p, t, mask)
+        return Saved(p, t, () if region is None else (region,), layer=layer)
 
     def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
-                  seed: int, masked: bool) -> tuple[Packed, Packed | None]:
+                  seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:
         start = time.perf_counter()
         data = t.detach()
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(data, error_bound=error_bound)
         else:
             p = self._codec("quantize").encode(data, bits=int(bits), seed=seed)
-        mask = self._codec("lossless").encode(data > 0) if masked else None
+        region = None if part is None else self._region_code(data, part)
         self.timings.observe_encode(time.perf_counter() - start)
-        return p, mask
+        return p, region
+
+    def _region_code(self, data: torch.Tensor, part: Partition) -> RegionCode:
+        lossless = self._codec("lossless")
+        return RegionCode(part, tuple(lossless.encode(plane) for plane in part.planes(data)))
+
+    def _attach_region(self, saved: Saved, part: Partition, source: torch.Tensor, layer: str) -> None:
+        """Add the region code of a packed input whose saving op is now known (NOTE [ ReLU masks ])."""
+        if any(r.partition == part for r in saved.regions):
+            return
+        rec = self.record(layer)
+        rec.mask_bytes += part.nbytes(source.numel())
+        if not isinstance(saved.data, Packed):
+            return  # kept uncompressed: exact already, the bytes only price the choice
+        try:
+            region = self._region_code(source.detach(), part)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: the values stay as quantised
+            self._on_fallback(layer, exc)
+            return
+        saved.regions = (*saved.regions, region)
+        rec.packed_bytes += region.nbytes
 
     def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep) -> None:
         """G·Σ_g R_g² and the value range, from the quantiser's group metadata when present.
@@ -381,6 +431,14 @@ class Packer:
                 codec = _WithImpl(codec, self._config.codec_impl)
             self._codecs[name] = codec
         return codec
+
+
+def _relu_code(saved: Saved) -> RegionCode | None:
+    """The record's ReLU code, which the quantize codec applies in its decode (NOTE [ Masked decode ])."""
+    for region in saved.regions:
+        if region.partition == RELU:
+            return region
+    return None
 
 
 class _WithImpl:

@@ -1,0 +1,474 @@
+"""Training fidelity on real architectures: plain PyTorch against memctl, side by side.
+
+Run ``python benchmarks/fidelity.py [--models resnet18,gpt2,...] [--steps 20] [--quick]``
+(``--list`` names the models). Needs the ``fidelity`` extra (torchvision, timm,
+transformers); models whose library is missing are skipped with a line saying so.
+
+Every model is built from its library's code with random weights and a small
+configuration (no download), and trained ``--steps`` AdamW steps on synthetic but
+learnable data (images whose label is a fixed function of the image; token sequences
+that are arithmetic progressions modulo the vocabulary), from the same seed and the same
+batches, once per configuration, each configuration in its own process:
+
+    plain      no memctl
+    default    ``Controller(model, opt)``
+    bits2      ``Controller(model, opt, bits=2)``
+    bits4      ``Controller(model, opt, bits=4)``
+    budget     ``Controller(model, opt, budget=B)`` with B = static memory + one eighth
+               of the activations plain PyTorch saved (measured by the plain run)
+
+and once more for the 8-bit gradient check (``cos8``: the whole-model gradient with every
+layer at 8 bits against plain's, same weights and batch). Per row it prints: the loss at
+the first and the last step (each the mean of 3 steps), the fraction of plain's loss drop
+reached, a divergence flag (non-finite loss, or the last loss above the first), the
+activation ratio memctl reports (raw / packed bytes), the same ratio measured from
+outside memctl's statistics (bytes of the distinct storages a plain ``saved_tensors_hooks``
+counter sees in the plain run, against the real buffer sizes of the records memctl's pack
+hook returned in the memctl run, both at the last step), the process's peak RSS, and the
+wall time of the training loop. Prints figures, asserts nothing; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("plain", "default", "bits2", "bits4", "budget")
+TARGETS = (
+    "targets (issue 14): default and bits=2 reach >= 90% of plain's loss drop, no divergence; "
+    "default ratio >= 10x on CNNs, >= 8x on transformers; 8-bit cosine >= 0.9999"
+)
+
+
+def _progress(msg: str) -> None:
+    print(f"[fidelity] {msg}", file=sys.stderr, flush=True)
+
+
+# -- libraries ---------------------------------------------------------------------------------
+def prepare_torchvision() -> bool:
+    """Make ``import torchvision`` work under a CPU torch; False when torchvision is not installed.
+
+    The registry's torchvision wheel is built for CUDA torch: under the CPU torch its C
+    extension does not load, and the import then fails while registering fake kernels for
+    its detection ops (``operator torchvision::nms does not exist``). timm and transformers
+    import torchvision when it is installed, so they fail the same way. The models use none
+    of those ops, so the two registration modules are replaced by empty ones before the
+    import when (and only when) the plain import fails for that reason.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        import torchvision
+    except RuntimeError as exc:
+        if "torchvision::" not in str(exc):
+            raise
+        for name in list(sys.modules):
+            if name == "torchvision" or name.startswith("torchvision."):
+                del sys.modules[name]
+        for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+            sys.modules[name] = types.ModuleType(name)
+        import torchvision  # noqa: F401
+    return True
+
+
+def import_torchvision_models() -> Any:
+    """``torchvision.models`` (see :func:`prepare_torchvision`)."""
+    if not prepare_torchvision():
+        raise ImportError("torchvision is not installed (pip install 'memctl[fidelity]')")
+    import torchvision.models
+
+    return torchvision.models
+
+
+def _timm() -> Any:
+    prepare_torchvision()  # timm imports torchvision: same workaround first
+    import timm
+
+    return timm
+
+
+# -- models and data -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    kind: str  # "image" | "lm" | "mlm" | "tokens" | "digits"
+    library: str
+    build: Callable[[], nn.Module]
+    batch: int = 16
+    image: int = 64
+    classes: int = 10
+    vocab: int = 512
+    seq: int = 32
+    lr: float = 2e-3
+
+
+def _gpt2() -> nn.Module:
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _llama() -> nn.Module:
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                        max_position_embeddings=64))
+
+
+def _bert() -> nn.Module:
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=256, vocab_size=512, max_position_embeddings=64,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _project_model(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        if str(_ROOT) not in sys.path:
+            sys.path.insert(0, str(_ROOT))
+        if name == "digitsnet":
+            from memctl.demo import DigitsNet
+
+            return DigitsNet()
+        from tests.controller import models
+
+        return models.CNN(c=32, in_ch=3) if name == "cnn" else models.TransformerBlock(vocab=512, n_out=512)
+
+    return build
+
+
+SPECS: dict[str, Spec] = {s.name: s for s in (
+    Spec("resnet18", "image", "torchvision", lambda: import_torchvision_models().resnet18(num_classes=10)),
+    Spec("mobilenet_v3", "image", "torchvision",
+         lambda: import_torchvision_models().mobilenet_v3_small(num_classes=10)),
+    Spec("efficientnet_b0", "image", "torchvision",
+         lambda: import_torchvision_models().efficientnet_b0(num_classes=10)),
+    Spec("convnext_atto", "image", "timm", lambda: _timm().create_model("convnext_atto", num_classes=10)),
+    Spec("vit_tiny", "image", "timm", lambda: _timm().create_model(
+        "vit_tiny_patch16_224", img_size=64, depth=6, num_classes=10), lr=1e-3),
+    Spec("gpt2", "lm", "transformers", _gpt2),
+    Spec("llama", "lm", "transformers", _llama),
+    Spec("bert", "mlm", "transformers", _bert),
+    Spec("cnn", "image", "memctl tests", _project_model("cnn"), image=32),
+    Spec("transformer_block", "tokens", "memctl tests", _project_model("transformer_block")),
+    Spec("digitsnet", "digits", "memctl demo", _project_model("digitsnet"), batch=64, image=8),
+)}
+
+
+def make_batches(spec: Spec, steps: int, seed: int) -> list[tuple[Any, torch.Tensor]]:
+    """``steps`` batches cycling over 4 fixed ones, a learnable function of the input."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out: list[tuple[Any, torch.Tensor]] = []
+    if spec.kind in ("image", "digits"):
+        ch = 1 if spec.kind == "digits" else 3
+        proj = torch.randn(ch * 4 * 4, spec.classes, generator=g)
+        for _ in range(4):
+            x = torch.randn(spec.batch, ch, spec.image, spec.image, generator=g)
+            feats = F.adaptive_avg_pool2d(x, 4).flatten(1)
+            out.append((x, (feats @ proj).argmax(1)))
+    else:
+        for _ in range(4):
+            start = torch.randint(0, spec.vocab, (spec.batch, 1), generator=g)
+            stride = torch.randint(1, 8, (spec.batch, 1), generator=g)
+            tokens = (start + stride * torch.arange(spec.seq)) % spec.vocab
+            out.append((tokens, tokens))
+    return [out[i % len(out)] for i in range(steps)]
+
+
+def loss_of(spec: Spec, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
+    if spec.kind == "lm":
+        return model(input_ids=x, labels=y).loss
+    if spec.kind == "mlm":
+        g = torch.Generator().manual_seed(int(x[0, 0]))
+        masked = torch.rand(x.shape, generator=g) < 0.15
+        inputs = x.masked_fill(masked, 0)
+        return model(input_ids=inputs, labels=y.masked_fill(~masked, -100)).loss
+    out = model(x)
+    if spec.kind == "tokens":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(out, y)
+
+
+# -- one configuration in one process ---------------------------------------------------------
+def _flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
+
+
+class _PlainCounter:
+    """A plain ``saved_tensors_hooks`` that keeps what autograd saves and counts its storages."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._params:
+            self.storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
+    """Real bytes held by one record memctl's pack hook returned (each record once)."""
+    if id(saved) in seen:
+        return 0
+    seen.add(id(saved))
+    if isinstance(saved, torch.Tensor):
+        return 0 if saved.untyped_storage().data_ptr() in params else saved.untyped_storage().nbytes()
+    data = saved.data
+    total = data.untyped_storage().nbytes() if isinstance(data, torch.Tensor) else int(data.nbytes)
+    return total + sum(int(r.nbytes) for r in getattr(saved, "regions", ()))
+
+
+def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved: int,
+               threads: int) -> dict[str, Any]:
+    if threads > 0:
+        torch.set_num_threads(threads)
+    import memctl
+
+    spec = SPECS[model_name]
+    torch.manual_seed(seed)
+    model = spec.build()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    batches = make_batches(spec, steps, seed)
+    result: dict[str, Any] = {"model": model_name, "config": config}
+    if config == "cos8":
+        x, y = batches[0]
+        reference = _copy_model(model)
+        rng = torch.get_rng_state()
+        loss_of(spec, reference, x, y).backward()
+        torch.set_rng_state(rng)
+        ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), monitor_interval_s=0)
+        loss_of(spec, model, x, y).backward()
+        a, b = _flat_grad(model).double(), _flat_grad(reference).double()
+        result["cos8"] = float(a @ b / (a.norm() * b.norm()))
+        ctl.detach()
+        return result
+    ctl = None
+    counter = _PlainCounter(model)
+    packed_seen: set[int] = set()
+    packed_total = [0]
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if config != "plain":
+        options: dict[str, Any] = {"monitor_interval_s": 0}
+        if config == "bits2":
+            options["bits"] = 2.0
+        elif config == "bits4":
+            options["bits"] = 4.0
+        elif config == "budget":
+            static = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
+            static += sum(b.numel() * b.element_size() for b in model.buffers())
+            options["budget"] = int((static + plain_saved / 8) / 0.95)
+        ctl = memctl.Controller(model, opt, **options)
+        pack = ctl._packer.pack
+
+        def counting_pack(t: torch.Tensor) -> Any:
+            saved = pack(t)
+            packed_total[0] += _record_bytes(saved, params, packed_seen)
+            return saved
+
+        ctl._packer.pack = counting_pack  # type: ignore[method-assign]
+        ctl._scope._pack = counting_pack
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        if last:
+            packed_seen.clear()
+            packed_total[0] = 0
+        if config == "plain" and last:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                loss = loss_of(spec, model, x, y)
+        else:
+            loss = loss_of(spec, model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if i % max(1, len(batches) // 5) == 0 or last:
+            _progress(f"  {model_name}/{config} step {i + 1}/{len(batches)} loss {losses[-1]:.4f}")
+    result["time_s"] = time.perf_counter() - t0
+    result["losses"] = losses
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if ctl is not None:
+        s = ctl.stats()
+        result["ratio"] = s["raw_bytes"] / max(s["packed_bytes"], 1)
+        result["saved_bytes"] = packed_total[0]
+        ctl.detach()
+    else:
+        result["saved_bytes"] = sum(counter.storages.values())
+    return result
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int,
+                timeout: float, threads: int) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, config, "--steps", str(steps),
+           "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads)]
+    env = dict(os.environ)
+    if threads > 0:
+        env["NUMBA_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "config": config, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[7:]))
+    tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+    return {"model": model, "config": config, "error": f"exit {proc.returncode}: {tail[0][:160]}"}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summarise(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The table's lines for one model (rows keyed by configuration)."""
+    plain = rows.get("plain", {})
+    p_losses = plain.get("losses", [])
+    k = min(3, max(1, len(p_losses) // 4)) if p_losses else 1
+    p_first, p_last = _mean(p_losses[:k]), _mean(p_losses[-k:])
+    cos8 = rows.get("cos8", {}).get("cos8", math.nan)
+    lines = []
+    for config in CONFIGS:
+        r = rows.get(config)
+        if r is None:
+            continue
+        model = r["model"]
+        if "error" in r:
+            lines.append(f"{model:18s} {config:8s} error: {r['error']}")
+            continue
+        losses = r["losses"]
+        first, last = _mean(losses[:k]), _mean(losses[-k:])
+        drop = (p_first - last) / (p_first - p_last) if p_first - p_last > 1e-9 else math.nan
+        diverged = not all(math.isfinite(v) for v in losses) or last > first
+        ratio = r.get("ratio", 1.0)
+        outside = plain.get("saved_bytes", 0) / r["saved_bytes"] if r.get("saved_bytes") else math.nan
+        lines.append(
+            f"{model:18s} {config:8s} {first:7.3f} {last:7.3f} {drop * 100:7.1f}% "
+            f"{'yes' if diverged else 'no':>4s} {cos8 if config == 'plain' else math.nan:9.6f} "
+            f"{ratio:6.1f}x {outside:6.1f}x {r['saved_bytes'] / 2**20:8.2f} "
+            f"{r['peak_rss_mib']:8.0f} {r['time_s']:7.1f}"
+        )
+    return lines
+
+
+HEADER = (f"{'model':18s} {'config':8s} {'loss0':>7s} {'lossN':>7s} {'drop%':>8s} {'div':>4s} "
+          f"{'cos8':>9s} {'ratio':>7s} {'outside':>7s} {'savedMiB':>8s} {'rssMiB':>8s} {'time_s':>7s}")
+
+
+def _available(spec: Spec) -> str | None:
+    """None when the model's library imports, else why not."""
+    try:
+        if spec.library == "torchvision":
+            import_torchvision_models()
+        elif spec.library == "timm":
+            _timm()
+        elif spec.library == "transformers":
+            prepare_torchvision()
+            import transformers  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(SPECS), help="comma-separated, from --list")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="plain is always run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="at most 3 steps, no cos8/budget: a smoke run")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch/Numba threads per process (0: their defaults); 1 keeps a busy machine fair")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--plain-saved", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SPECS.values():
+            print(f"{s.name:18s} {s.library}")
+        return 0
+    if args.worker:
+        result = run_worker(args.worker[0], args.worker[1], args.steps, args.seed, args.plain_saved,
+                            args.threads)
+        print("RESULT " + json.dumps(result))
+        return 0
+    steps = min(args.steps, 3) if args.quick else args.steps
+    configs = [c for c in args.configs.split(",") if c and c != "plain"]
+    if args.quick:
+        configs = [c for c in configs if c not in ("budget",)]
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in SPECS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; known: {sorted(SPECS)}")
+    print(f"# memctl fidelity benchmark, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
+    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
+    print(f"# {steps} steps, seed {args.seed}, {args.threads or 'default'} thread(s) per process; {TARGETS}")
+    print(HEADER)
+    for name in models:
+        spec = SPECS[name]
+        why = _available(spec)
+        if why is not None:
+            print(f"{name:18s} skipped: {spec.library} unavailable ({why})")
+            continue
+        rows: dict[str, dict[str, Any]] = {}
+        _progress(f"{name}: plain")
+        rows["plain"] = _run_config(name, "plain", steps, args.seed, 0, args.timeout, args.threads)
+        plain_saved = int(rows["plain"].get("saved_bytes", 0))
+        if not args.quick:
+            _progress(f"{name}: cos8")
+            rows["cos8"] = _run_config(name, "cos8", steps, args.seed, plain_saved, args.timeout,
+                                       args.threads)
+        for config in configs:
+            _progress(f"{name}: {config}")
+            rows[config] = _run_config(name, config, steps, args.seed, plain_saved, args.timeout,
+                                       args.threads)
+        for line in summarise(rows):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

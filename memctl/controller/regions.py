@@ -1,0 +1,367 @@
+"""Exact derivative regions of piecewise activations: which saved values must keep their branch.
+
+NOTE [ Derivative regions ]
+Many ops' backward branches on the tensor they saved: ReLU reads ``result > 0``,
+hardtanh (and ReLU6) ``min_val < self < max_val``, leaky_relu ``self > 0``, clamp
+``min <= self <= max``, hardswish three branches split at -3 and 3, abs the sign of
+``self``. Quantising that tensor moves values across the thresholds and so picks the
+wrong branch: at 2 bits, a large share of small values land on the wrong side, and
+the gradient through them is lost or doubled. For every op of :data:`_RULES` the saved
+tensor therefore also keeps a lossless region code (the index of the branch each value
+takes, one bit plane per bit, 1 or 2 bits per value, bit-packed by the ``lossless``
+codec), and decoding moves every value to the nearest point of its true region (a
+union of intervals whose boundaries belong where the op's backward puts them). The
+backward then takes, value by value, the branch it would have taken on the original;
+the values inside a region keep the codec's (unbiased) error.
+
+The boundaries follow torch 2.13's CPU kernels (``derivatives.yaml`` and the backward
+kernels it names), checked value by value against torch's own gradients in the tests:
+
+    op (autograd node)                 saved   branch test of the backward
+    relu                ReluBackward0   result  result > 0
+    threshold(th, v)    ThresholdBackward0/1  self  self > th
+    hardtanh, relu6     HardtanhBackward0      self  min < self < max
+    leaky_relu(s)       LeakyReluBackward0/1   self/result  > 0
+    rrelu (eval)        RreluWithNoiseBackward0/1  self/result  > 0
+    clamp, clip         ClampBackward1 (Scalar bounds)  self  min <= self <= max
+    clamp_min/max       ClampMinBackward0, ClampMaxBackward0  self  >= min / <= max
+    hardswish           HardswishBackward0     self  <= -3 | (-3, 3) | >= 3
+    hardsigmoid         HardsigmoidBackward0   self  -3 < self < 3
+    prelu               PreluKernelBackward0   self  self > 0
+    elu, selu           EluBackward0/1         self/result  <= 0
+    celu                CeluBackward0/1        self/result  <= 0
+    abs                 AbsBackward0           self  < 0 | == 0 | > 0
+    hardshrink          HardshrinkBackward0    self  -l <= self <= l
+    softshrink          SoftshrinkBackward0    self  -l <= self <= l
+
+Left alone: ops whose branch compares two tensors (maximum, minimum, fmax, fmin, max,
+min, amax, the L1/Huber losses), clamp with tensor bounds, softplus (its branch at
+``beta·x > threshold`` changes the derivative by less than 1e-8), sgn/sign (zero
+gradient), nan_to_num (finiteness, which the codecs keep), and rrelu in training mode
+(its backward reads the saved noise, not the sign).
+
+NOTE [ Finding the op that saved a tensor ]
+An op that saves its *result* is recognised when the result is packed: its ``grad_fn``
+is the op's node. An op that saves its *input* packs it before its output (and its
+node) exist, so the pack hook cannot know yet who is saving. :class:`RegionTracker`
+therefore keeps the most recent :data:`PENDING` packed inputs (strong references, so a
+temporary such as a BatchNorm output is still readable), keyed by their autograd
+identity ``(grad_fn, output_nr)``. Each later pack walks a few steps up the graph from
+the packed tensor's ``grad_fn``; a node of the table whose first input edge is a
+pending key has saved that pending tensor, and its region code is computed then, from
+the original values. The in-place forms (``hardtanh_``, ``clamp_``, ...) save a clone,
+whose ``CloneBackward0`` edge leads to the input's key. A pending tensor modified in
+place since it was packed is skipped. What is never matched (an output nothing saves
+within the window) keeps today's path: quantised values, no region code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["PENDING", "RELU", "Interval", "Partition", "RegionCode", "RegionTracker", "result_partition"]
+
+PENDING = 2
+"""How many recently packed inputs wait for the op that saved them (NOTE [ Finding ... ])."""
+
+_WALK_DEPTH = 3
+_WALK_NODES = 24
+_INF = math.inf
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Values ``lo (<|<=) x (<|<=) hi`` take branch ``code``."""
+
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+    code: int
+
+    def contains(self, x: torch.Tensor) -> torch.Tensor:
+        inside = torch.ones_like(x, dtype=torch.bool)
+        if self.lo > -_INF:
+            inside &= (x > self.lo) if self.lo_open else (x >= self.lo)
+        if self.hi < _INF:
+            inside &= (x < self.hi) if self.hi_open else (x <= self.hi)
+        return inside
+
+    def clamp(self, v: torch.Tensor) -> torch.Tensor:
+        """The nearest point of the interval (in ``v``'s dtype) to each value of ``v``."""
+        lo = _inner(self.lo, +1.0, v) if self.lo_open and self.lo > -_INF else self.lo
+        hi = _inner(self.hi, -1.0, v) if self.hi_open and self.hi < _INF else self.hi
+        return v.clamp(min=None if lo == -_INF else lo, max=None if hi == _INF else hi)
+
+
+def _inner(bound: float, direction: float, like: torch.Tensor) -> float:
+    """The first value of ``like``'s dtype strictly beyond ``bound`` towards ``direction``.
+
+    Zero steps to the smallest *normal* number, so that a flush-to-zero of subnormals
+    cannot move a value back onto the boundary.
+    """
+    if bound == 0.0:
+        return direction * torch.finfo(like.dtype).tiny
+    b = torch.tensor(bound, dtype=like.dtype)
+    return float(torch.nextafter(b, torch.tensor(direction * _INF, dtype=like.dtype)))
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One op's branches over the values of the tensor it saved (NOTE [ Derivative regions ])."""
+
+    op: str
+    intervals: tuple[Interval, ...]
+
+    @property
+    def bits(self) -> int:
+        codes = 1 + max(iv.code for iv in self.intervals)
+        return 1 if codes <= 2 else 2
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of the bit-packed code of ``numel`` values."""
+        return self.bits * -(-numel // 8)
+
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The branch of each value of ``x`` (uint8; 0 for NaN)."""
+        out = torch.zeros_like(x, dtype=torch.uint8)
+        for iv in self.intervals:
+            if iv.code:
+                out.masked_fill_(iv.contains(x), iv.code)
+        return out
+
+    def planes(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The code's bit planes (bool tensors), lowest bit first."""
+        code = self.codes(x)
+        for bit in range(self.bits):
+            yield (code >> bit) & 1 == 1
+
+    def project(self, v: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+        """Each value of ``v`` moved to the nearest point of the region its ``code`` names."""
+        codes = [iv.code for iv in self.intervals]
+        if len(set(codes)) == len(codes):  # one interval per code: no nearest-of-two choice
+            out = v
+            for iv in self.intervals:
+                out = torch.where(code == iv.code, iv.clamp(v), out)
+            return out
+        out = v.clone()
+        best = torch.full_like(v, _INF)
+        for iv in self.intervals:
+            c = iv.clamp(v)
+            dist = (c - v).abs().masked_fill_(code != iv.code, _INF)
+            closer = dist < best
+            out = torch.where(closer, c, out)
+            best = torch.where(closer, dist, best)
+        return torch.where(torch.isnan(v), v, out)
+
+
+def _two(op: str, cut: float, low_closed: bool, low: int = 0, high: int = 1) -> Partition:
+    """``x <= cut`` (``low_closed``) or ``x < cut`` takes ``low``; the rest ``high``."""
+    return Partition(op, (Interval(-_INF, cut, False, not low_closed, low),
+                          Interval(cut, _INF, low_closed, False, high)))
+
+
+def _inside(op: str, lo: float, hi: float, closed: bool) -> Partition:
+    """Values inside ``[lo, hi]`` (``closed``) or ``(lo, hi)`` take 1, the rest 0."""
+    return Partition(op, (Interval(-_INF, lo, False, closed, 0), Interval(lo, hi, not closed, not closed, 1),
+                          Interval(hi, _INF, closed, False, 0)))
+
+
+def _hardtanh(node: Any) -> Partition:
+    return _inside("hardtanh", float(node._saved_min_val), float(node._saved_max_val), closed=False)
+
+
+def _threshold(node: Any) -> Partition:
+    return _two("threshold", float(node._saved_threshold), low_closed=True)
+
+
+def _positive(op: str) -> Callable[[Any], Partition]:
+    return lambda node: _two(op, 0.0, low_closed=True)
+
+
+def _rrelu(node: Any) -> Partition | None:
+    if bool(node._saved_training) and float(node._saved_upper) - float(node._saved_lower) > 1e-6:
+        return None
+    return _two("rrelu", 0.0, low_closed=True)
+
+
+def _clamp(node: Any) -> Partition | None:
+    lo, hi = node._saved_min, node._saved_max
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        return None
+    if lo is not None and hi is not None:
+        return _inside("clamp", float(lo), float(hi), closed=True)
+    if lo is not None:
+        return _two("clamp", float(lo), low_closed=False)
+    if hi is not None:
+        return _two("clamp", float(hi), low_closed=True, low=1, high=0)
+    return None
+
+
+def _clamp_min(node: Any) -> Partition:
+    return _two("clamp_min", float(node._saved_min), low_closed=False)
+
+
+def _clamp_max(node: Any) -> Partition:
+    return _two("clamp_max", float(node._saved_max), low_closed=True, low=1, high=0)
+
+
+def _hardswish(node: Any) -> Partition:
+    return Partition("hardswish", (Interval(-_INF, -3.0, False, False, 0), Interval(-3.0, 3.0, True, True, 1),
+                                   Interval(3.0, _INF, False, False, 2)))
+
+
+def _hardsigmoid(node: Any) -> Partition:
+    return _inside("hardsigmoid", -3.0, 3.0, closed=False)
+
+
+def _abs(node: Any) -> Partition:
+    return Partition("abs", (Interval(-_INF, 0.0, False, True, 0), Interval(0.0, 0.0, False, False, 1),
+                             Interval(0.0, _INF, True, False, 2)))
+
+
+def _shrink(op: str) -> Callable[[Any], Partition]:
+    def rule(node: Any) -> Partition:
+        lam = float(node._saved_lambd)
+        return Partition(op, (Interval(-_INF, -lam, False, True, 1), Interval(-lam, lam, False, False, 0),
+                              Interval(lam, _INF, True, False, 1)))
+
+    return rule
+
+
+_RELU = Partition("relu", (Interval(0.0, 0.0, False, False, 0), Interval(0.0, _INF, True, False, 1)))
+#: ReLU's partition: its code is the quantize codec's decode mask (NOTE [ Masked decode ]).
+RELU = _RELU
+
+# grad_fn name -> how to read the node's partition; saved tensor: the op's input.
+_SELF_RULES: dict[str, Callable[[Any], Partition | None]] = {
+    "ThresholdBackward0": _threshold,
+    "ThresholdBackward1": _threshold,
+    "HardtanhBackward0": _hardtanh,
+    "LeakyReluBackward0": _positive("leaky_relu"),
+    "RreluWithNoiseBackward0": _rrelu,
+    "ClampBackward1": _clamp,
+    "ClampMinBackward0": _clamp_min,
+    "ClampMaxBackward0": _clamp_max,
+    "HardswishBackward0": _hardswish,
+    "HardsigmoidBackward0": _hardsigmoid,
+    "PreluKernelBackward0": _positive("prelu"),
+    "EluBackward0": _positive("elu"),
+    "CeluBackward0": _positive("celu"),
+    "AbsBackward0": _abs,
+    "HardshrinkBackward0": _shrink("hardshrink"),
+    "SoftshrinkBackward0": _shrink("softshrink"),
+}
+
+# grad_fn name -> partition; saved tensor: the op's result (recognised by its own grad_fn).
+_RESULT_RULES: dict[str, Callable[[Any], Partition | None]] = {
+    "ReluBackward0": lambda node: _RELU,
+    "ReluBackward1": lambda node: _RELU,
+    "LeakyReluBackward1": _positive("leaky_relu"),
+    "RreluWithNoiseBackward1": _rrelu,
+    "EluBackward1": _positive("elu"),
+    "CeluBackward1": _positive("celu"),
+}
+
+
+def result_partition(node: Any) -> Partition | None:
+    """The partition of a tensor whose own ``grad_fn`` saves it as its result (else None)."""
+    if node is None:
+        return None
+    rule = _RESULT_RULES.get(type(node).__name__)
+    return None if rule is None else _safe(rule, node)
+
+
+def input_partition(node: Any) -> Partition | None:
+    """The partition of the input a table op's node saved (None for other nodes)."""
+    rule = _SELF_RULES.get(type(node).__name__)
+    return None if rule is None else _safe(rule, node)
+
+
+def _safe(rule: Callable[[Any], Partition | None], node: Any) -> Partition | None:
+    try:
+        return rule(node)
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class RegionCode:
+    """A tensor's branch codes under one partition: its bit planes, each bit-packed."""
+
+    partition: Partition
+    planes: tuple[Any, ...]
+    """``Packed`` records of the lossless codec, lowest bit first."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.planes)
+
+
+_Key = tuple[int, int]
+
+
+@dataclass
+class _Pending:
+    source: torch.Tensor
+    version: int
+    node: Any
+    saved: Any
+    layer: str
+
+
+class RegionTracker:
+    """Matches packed inputs with the table op that saved them (NOTE [ Finding ... ])."""
+
+    def __init__(self) -> None:
+        self._pending: dict[_Key, _Pending] = {}
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def note(self, t: torch.Tensor, saved: Any, layer: str) -> None:
+        """Remember a packed float tensor as a possible input of a table op."""
+        node = t.grad_fn
+        if node is None:
+            return
+        key: _Key = (id(node), int(t.output_nr))
+        if type(node).__name__ == "CloneBackward0":  # what an in-place op saves: a clone
+            parent, nr = node.next_functions[0]
+            if parent is not None:
+                node, key = parent, (id(parent), int(nr))
+        self._pending.pop(key, None)
+        self._pending[key] = _Pending(t, t._version, node, saved, layer)
+        while len(self._pending) > PENDING:
+            del self._pending[next(iter(self._pending))]
+
+    def matches(self, t: torch.Tensor) -> list[tuple[_Pending, Partition]]:
+        """Pending inputs whose table op lies within a few steps above ``t``'s ``grad_fn``."""
+        if not self._pending or t.grad_fn is None:
+            return []
+        found: list[tuple[_Pending, Partition]] = []
+        frontier: list[Any] = [t.grad_fn]
+        seen: set[int] = set()
+        for _ in range(_WALK_DEPTH + 1):
+            nxt: list[Any] = []
+            for node in frontier:
+                if id(node) in seen or len(seen) >= _WALK_NODES:
+                    continue
+                seen.add(id(node))
+                edges = node.next_functions
+                if type(node).__name__ in _SELF_RULES and edges and edges[0][0] is not None:
+                    hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))
+                    if hit is not None and hit.node is edges[0][0]:
+                        part = input_partition(node)
+                        del self._pending[(id(edges[0][0]), int(edges[0][1]))]
+                        if part is not None and hit.source._version == hit.version:
+                            found.append((hit, part))
+                nxt.extend(e[0] for e in edges if e[0] is not None)
+            if not nxt or not self._pending:
+                break
+            frontier = nxt
+        return found

@@ -1,0 +1,49 @@
+"""Smoke runs of ``benchmarks/fidelity.py``: two steps, plain against ``bits=2``, one table row each."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.py"
+
+
+def _run(model: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", model, "--steps", "2", "--configs", "bits2", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def _row(lines: list[str], model: str, config: str) -> list[str]:
+    rows = [line.split() for line in lines if line.split()[:2] == [model, config]]
+    assert len(rows) == 1, lines
+    return rows[0]
+
+
+def test_fidelity_benchmark_runs_the_project_model() -> None:
+    """The project's own CNN needs none of the ``fidelity`` extra's libraries."""
+    lines = _run("cnn")
+    assert any(line.startswith("model ") for line in lines)
+    plain, bits2 = _row(lines, "cnn", "plain"), _row(lines, "cnn", "bits2")
+    assert plain[5] == "no" and "error" not in bits2
+    assert float(bits2[7].rstrip("x")) > 4.0  # memctl's ratio at 2 bits
+    assert float(bits2[8].rstrip("x")) > 4.0  # the same ratio measured outside memctl's statistics
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="the 'fidelity' extra (transformers) is not installed: pip install 'memctl[fidelity]'",
+)
+def test_fidelity_benchmark_runs_a_library_model() -> None:
+    lines = _run("gpt2")
+    bits2 = _row(lines, "gpt2", "bits2")
+    assert "error" not in bits2 and float(bits2[3]) > 0.0

@@ -1,0 +1,301 @@
+"""Exact derivative regions (memctl/controller/regions.py): every piecewise activation keeps its branch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memctl
+from memctl.controller import packing
+from memctl.controller.regions import Partition, RegionTracker, input_partition, result_partition
+
+# -- the ops, their thresholds, and torch's derivative on each branch ---------------------------
+# derivative(code, z): what torch's backward computes at value z on the branch ``code``.
+Derivative = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def _const(*per_code: float) -> Derivative:
+    return lambda code, z: torch.full_like(z, per_code[code])
+
+
+_PRELU_W = torch.tensor([0.25])
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772, 1.0507009873554805
+
+OPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], tuple[float, ...], Derivative]] = {
+    "relu6": (F.relu6, (0.0, 6.0), _const(0.0, 1.0)),
+    "hardtanh": (lambda x: F.hardtanh(x, -0.5, 1.5), (-0.5, 1.5), _const(0.0, 1.0)),
+    "leaky_relu": (lambda x: F.leaky_relu(x, 0.1), (0.0,), _const(0.1, 1.0)),
+    "threshold": (lambda x: F.threshold(x, 0.3, -2.0), (0.3,), _const(0.0, 1.0)),
+    "clamp": (lambda x: x.clamp(-1.0, 2.0), (-1.0, 2.0), _const(0.0, 1.0)),
+    "clamp_min": (lambda x: x.clamp_min(0.7), (0.7,), _const(0.0, 1.0)),
+    "clamp_max": (lambda x: torch.clamp_max(x, -0.2), (-0.2,), _const(0.0, 1.0)),
+    "clip_min_only": (lambda x: torch.clip(x, min=0.1), (0.1,), _const(0.0, 1.0)),
+    "hardswish": (F.hardswish, (-3.0, 3.0), lambda c, z: torch.full_like(z, 0.0) if c == 0 else (
+        z / 3.0 + 0.5 if c == 1 else torch.full_like(z, 1.0))),
+    "hardsigmoid": (F.hardsigmoid, (-3.0, 3.0), _const(0.0, 1.0 / 6.0)),
+    "prelu": (lambda x: F.prelu(x, _PRELU_W), (0.0,), _const(0.25, 1.0)),
+    "elu": (F.elu, (0.0,), lambda c, z: torch.exp(z) if c == 0 else torch.ones_like(z)),
+    "selu": (F.selu, (0.0,), lambda c, z: _SELU_SCALE * _SELU_ALPHA * torch.exp(z) if c == 0
+             else torch.full_like(z, _SELU_SCALE)),
+    "celu": (lambda x: F.celu(x, 2.0), (0.0,),
+             lambda c, z: torch.exp(z / 2.0) if c == 0 else torch.ones_like(z)),
+    "abs": (torch.abs, (0.0,), _const(-1.0, 0.0, 1.0)),
+    "hardshrink": (lambda x: F.hardshrink(x, 0.4), (-0.4, 0.4), _const(0.0, 1.0)),
+    "softshrink": (lambda x: F.softshrink(x, 0.4), (-0.4, 0.4), _const(0.0, 1.0)),
+    "rrelu_eval": (lambda x: F.rrelu(x, 0.1, 0.3, training=False), (0.0,), _const(0.2, 1.0)),
+}
+# Ops whose derivative is constant on every branch: with the branch exact, the input gradient is exact.
+PIECEWISE_CONSTANT = [n for n in OPS if n not in ("hardswish", "elu", "selu", "celu")]
+
+
+def _partition(name: str) -> Partition:
+    fn = OPS[name][0]
+    x = torch.randn(4, requires_grad=True)
+    part = input_partition(fn(x * 1.0).grad_fn)
+    assert part is not None, name
+    return part
+
+
+def _torch_grad(name: str, z: torch.Tensor) -> torch.Tensor:
+    z = z.detach().clone().requires_grad_(True)
+    OPS[name][0](z).sum().backward()
+    assert z.grad is not None
+    return z.grad
+
+
+def _branch_grad(name: str, codes: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    derivative = OPS[name][2]
+    out = torch.zeros_like(z)
+    for c in range(int(codes.max()) + 1):
+        out = torch.where(codes == c, derivative(c, z), out)
+    return out
+
+
+def _near(thresholds: tuple[float, ...]) -> list[float]:
+    """Each threshold, and 1-3 float32 steps and small offsets on either side."""
+    out: list[float] = []
+    for t in thresholds:
+        v = torch.tensor(t, dtype=torch.float32)
+        for direction in (math.inf, -math.inf):
+            step = v
+            for _ in range(3):
+                step = torch.nextafter(step, torch.tensor(direction))
+                out.append(float(step))
+        out += [t, t + 1e-3, t - 1e-3, t + 0.25, t - 0.25]
+    return out
+
+
+# -- the partitions agree with torch's backward, on and near every threshold -------------------
+@pytest.mark.parametrize("name", list(OPS))
+def test_partition_matches_torch_backward_at_thresholds(name: str) -> None:
+    x = torch.tensor([*_near(OPS[name][1]), -7.0, -1.0, 0.0, 1.0, 7.0], dtype=torch.float32)
+    part = _partition(name)
+    torch.testing.assert_close(_torch_grad(name, x), _branch_grad(name, part.codes(x), x), rtol=1e-5, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(OPS)),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_decoded_values_stay_in_their_region(name: str, shape: list[int], data: st.DataObject) -> None:
+    """Property: whatever the codec returns, projection puts it on the original's backward branch."""
+    n = math.prod(shape)
+    value = st.one_of(st.sampled_from(_near(OPS[name][1])), st.floats(-8.0, 8.0, width=32))
+    x = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
+    q = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
+    part = _partition(name)
+    codes = part.codes(x)
+    v = part.project(q, codes)
+    assert torch.equal(part.codes(v), codes)
+    torch.testing.assert_close(_torch_grad(name, v), _branch_grad(name, codes, v), rtol=1e-5, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
+def test_relu_result_region_keeps_exact_zeros(shape: list[int], data: st.DataObject) -> None:
+    n = math.prod(shape)
+    x = torch.tensor(data.draw(st.lists(st.floats(-2.0, 2.0, width=32), min_size=n, max_size=n))).view(shape)
+    y = torch.relu(x.requires_grad_(True) * 1.0)
+    part = result_partition(y.grad_fn)
+    assert part is not None and part.bits == 1
+    noise = data.draw(st.lists(st.floats(-1.0, 1.0, width=32), min_size=n, max_size=n))
+    q = y.detach() + torch.tensor(noise).view(shape)
+    v = part.project(q, part.codes(y.detach()))
+    assert torch.equal(v > 0, y > 0)
+    assert torch.equal(v[y == 0], torch.zeros_like(v[y == 0]))
+
+
+def test_code_widths() -> None:
+    assert _partition("hardswish").bits == 2 and _partition("abs").bits == 2
+    assert all(_partition(n).bits == 1 for n in OPS if n not in ("hardswish", "abs"))
+    assert _partition("relu6").nbytes(17) == 3 and _partition("abs").nbytes(17) == 6
+
+
+def test_clamp_with_tensor_bounds_is_not_in_the_table() -> None:
+    x = torch.randn(4, requires_grad=True) * 1.0
+    assert input_partition(x.clamp(torch.zeros(4), torch.ones(4)).grad_fn) is None
+    assert input_partition(F.gelu(x).grad_fn) is None
+
+
+# -- through the controller ------------------------------------------------------------------------
+class _Scale(nn.Module):
+    """Gives the activation's input a grad_fn, as every hidden activation has."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class _Act(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def _input_grad(name: str, bits: int | None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 512, generator=g) * 3.0).requires_grad_(True)
+    upstream = torch.randn(8, 512, generator=g)
+    model = nn.Sequential(_Scale(512), _Act(OPS[name][0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+    (model(x) * upstream).sum().backward()
+    if ctl is not None:
+        ctl.detach()
+    assert x.grad is not None
+    return x.grad
+
+
+@pytest.mark.parametrize("name", PIECEWISE_CONSTANT)
+def test_input_gradient_is_exact_at_two_bits(name: str) -> None:
+    """Derivative constant on each branch + branch exact = the activation's input gradient is exact."""
+    torch.testing.assert_close(_input_grad(name, 2), _input_grad(name, None), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["hardswish", "elu", "selu", "celu"])
+def test_input_gradient_is_exact_where_the_derivative_is_constant(name: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 512, generator=g) * 3.0
+    flat = (x > 0) if name != "hardswish" else ((x <= -3.0) | (x >= 3.0))
+    got, ref = _input_grad(name, 2), _input_grad(name, None)
+    torch.testing.assert_close(got[flat], ref[flat], rtol=0, atol=0)
+
+
+def test_in_place_forms_are_recognised() -> None:
+    for fn in (lambda x: F.relu6(x, inplace=True), lambda x: F.hardtanh(x, -0.5, 0.5, inplace=True),
+               lambda x: x.clamp_(-1.0, 1.0), lambda x: F.leaky_relu(x, 0.1, inplace=True),
+               lambda x: F.threshold(x, 0.2, 0.0, inplace=True)):
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(8, 512, generator=g) * 3.0).requires_grad_(True)
+        upstream = torch.randn(8, 512, generator=g)
+        grads = []
+        for bits in (2, None):
+            model = nn.Sequential(_Scale(512), _Act(fn))
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            ctl = None
+            if bits is not None:
+                ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+            x.grad = None
+            (model(x) * upstream).sum().backward()
+            if ctl is not None:
+                ctl.detach()
+            assert x.grad is not None
+            grads.append(x.grad.clone())
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+# -- whole-model weight gradients on a small conv net -------------------------------------------
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "relu": nn.ReLU, "relu6": nn.ReLU6, "leaky_relu": lambda: nn.LeakyReLU(0.1), "hardtanh": nn.Hardtanh,
+    "threshold": lambda: nn.Threshold(0.1, 0.0), "hardswish": nn.Hardswish, "hardsigmoid": nn.Hardsigmoid,
+    "prelu": nn.PReLU, "elu": nn.ELU, "selu": nn.SELU, "celu": nn.CELU,
+    "hardshrink": lambda: nn.Hardshrink(0.3), "softshrink": lambda: nn.Softshrink(0.3),
+    "clamp": lambda: _Act(lambda x: x.clamp(-1.0, 1.0)), "abs": lambda: _Act(torch.abs),
+}
+
+
+class _ConvNet(nn.Module):
+    def __init__(self, act: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.c1, self.b1, self.a1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), act()
+        self.c2, self.b2, self.a2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), act()
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a1(self.b1(self.c1(x)))
+        x = self.a2(self.b2(self.c2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def _weight_grad(name: str, bits: int | None) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = _ConvNet(ACTIVATIONS[name])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+    F.cross_entropy(model(x), y).backward()
+    if ctl is not None:
+        ctl.detach()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a, b, dim=0))
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_eight_bit_weight_gradient_cosine(name: str) -> None:
+    assert _cosine(_weight_grad(name, 8), _weight_grad(name, None)) >= 0.9999
+
+
+def _without_regions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "result_partition", lambda node: None)
+    monkeypatch.setattr(RegionTracker, "matches", lambda self, t: [])
+
+
+@pytest.mark.parametrize("name", ["relu6", "leaky_relu", "hardtanh", "clamp", "threshold"])
+def test_two_bit_cosine_gains_from_region_codes(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = _weight_grad(name, None)
+    with_codes = _cosine(_weight_grad(name, 2), ref)
+    _without_regions(monkeypatch)
+    assert with_codes > _cosine(_weight_grad(name, 2), ref)
+
+
+@pytest.mark.parametrize("name", ["threshold", "hardsigmoid"])
+def test_two_bit_cosine_reaches_relus(name: str) -> None:
+    ref_relu = _cosine(_weight_grad("relu", 2), _weight_grad("relu", None))
+    assert _cosine(_weight_grad(name, 2), _weight_grad(name, None)) >= ref_relu
+
+
+def test_region_bytes_are_priced_in_the_layer_accounting() -> None:
+    torch.manual_seed(0)
+    model = _ConvNet(nn.Hardswish)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+    x = torch.randn(16, 3, 16, 16)
+    F.cross_entropy(model(x), torch.randint(0, 10, (16,))).backward()
+    opt.step()
+    numel = 16 * 16 * 16 * 16
+    state = ctl._layers["a1"]
+    ctl.detach()
+    assert state.mask_bytes == 2 * numel // 8  # hardswish: a 2-bit code on the saved input
