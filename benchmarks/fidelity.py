@@ -243,6 +243,8 @@ def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     if id(saved) in seen:
         return 0
     seen.add(id(saved))
+    if not isinstance(saved, torch.Tensor) and not hasattr(saved, "data"):
+        saved = saved.tensor  # a reference to a tensor saved as it is (memctl's SavedRef)
     if isinstance(saved, torch.Tensor):
         return 0 if saved.untyped_storage().data_ptr() in params else saved.untyped_storage().nbytes()
     data = saved.data

@@ -235,6 +235,11 @@ class Controller:
         if self._tracker.model_depth > 0:
             self._tracker.model_depth -= 1
         self._packer.observe(output)
+        if self._tracker.model_depth == 0:
+            # The model's forward is over (or raised): drop the inputs still waiting for the op
+            # that saved them, which would otherwise keep this forward's graph alive
+            # (NOTE [ Finding the op that saved a tensor ]).
+            self._packer.end_forward()
 
     def begin_step(self) -> None:
         """Open the capture window now (NOTE [ Capture window ]); a no-op while it is open.

@@ -236,6 +236,10 @@ class Packer:
             self._regions.note(t, saved, saved.layer)
         return saved
 
+    def end_forward(self) -> None:
+        """The model's forward ended: no pending input can be matched any more."""
+        self._regions.clear()
+
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
         if isinstance(output, dict):
@@ -245,7 +249,9 @@ class Packer:
         for t in items:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 for pending, part in self._regions.matches(t):
-                    self._attach_region(pending.saved, part, pending.source, pending.layer)
+                    saved = pending.saved()
+                    if saved is not None:
+                        self._attach_region(saved, part, pending.source, pending.layer)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""

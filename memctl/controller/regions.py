@@ -58,6 +58,7 @@ within the window) keeps today's path: quantised values, no region code.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -311,7 +312,8 @@ class _Pending:
     source: torch.Tensor
     version: int
     node: Any
-    saved: Any
+    saved: weakref.ref[Any]
+    """Weak: a record autograd has dropped must die (NOTE [ Micro-batches ] tracks liveness)."""
     layer: str
 
 
@@ -335,7 +337,7 @@ class RegionTracker:
             if parent is not None:
                 node, key = parent, (id(parent), int(nr))
         self._pending.pop(key, None)
-        self._pending[key] = _Pending(t, t._version, node, saved, layer)
+        self._pending[key] = _Pending(t, t._version, node, weakref.ref(saved), layer)
         while len(self._pending) > PENDING:
             del self._pending[next(iter(self._pending))]
 

@@ -12,6 +12,7 @@ from memctl.codecs import get
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer, Saved
+from memctl.controller.regions import RELU
 
 
 def _packer() -> Packer:
@@ -29,11 +30,17 @@ def test_relu_output_unpacks_as_decode_then_mask() -> None:
     y = torch.relu(x)
     packer = _packer()
     saved = packer.pack(y)
-    assert isinstance(saved, Saved) and saved.mask is not None
+    assert isinstance(saved, Saved)
+    (code,) = saved.regions
+    assert code.partition == RELU and len(code.planes) == 1
     out = packer.unpack(saved)
-    expected = get("quantize").decode(saved.data).clamp_min_(torch.finfo(torch.float32).tiny)
-    expected.mul_(get("lossless").decode(saved.mask))
+    decoded = get("quantize").decode(saved.data)
+    positive = get("lossless").decode(code.planes[0])
+    expected = decoded.clone().clamp_min_(torch.finfo(torch.float32).tiny).mul_(positive)
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    # the fused decode is exactly the generic region projection of NOTE [ Derivative regions ]
+    projected = RELU.project(decoded, positive.to(torch.uint8))
+    assert torch.equal(out.view(torch.int32), projected.view(torch.int32))
     assert torch.equal(out > 0, y > 0)
 
 
