@@ -25,8 +25,9 @@ random draw: on BatchNorm inputs, whose error lands in few directions, single dr
 spread by up to 7x). The drift is damped and clipped because the closed form of a layer
 without parameters borrows the median output gradient, which can move the wrong way.
 
-An unmeasured bit width of a measured layer takes the layer's factor at the nearest
-measured width (at 1 bit from 2 bits, times the largest 1-bit/2-bit excess seen on any
+An unmeasured bit width of a measured layer comes from its nearest measured width, moved
+by the (2^b − 1)⁻² law (which holds per layer from 2 bits up within ~1.3x on the nets we
+measured) (at 1 bit from 2 bits, times the largest 1-bit/2-bit excess seen on any
 layer, 8 until one is seen); an unmeasured layer takes the largest factor of any
 measured layer. Both err towards more bits. A bit width below 2 is allowed for a layer
 only once it has been measured there (:meth:`Calibration.floor`): 1 bit is the width
@@ -148,10 +149,9 @@ class Calibration:
             m = mine[b]
             return m.value * _drift(p, m.closed_form)
         if mine:
-            near = min(mine, key=lambda k: (abs(k - b) if (k >= 2) == (b >= 2) else 100 + abs(k - b), -k))
+            near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            factor = m.value / m.closed_form if m.closed_form > 0 else 0.0
-            value = factor * p if factor > 0 else m.value * float(2**near - 1) ** 2 / float(2**b - 1) ** 2
+            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near))
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
@@ -264,6 +264,13 @@ class Calibration:
         g2, noise = state.get("grad_sq"), state.get("grad_noise")
         self.grad_sq = float(g2) if isinstance(g2, int | float) else None
         self.grad_noise = float(noise) if isinstance(noise, int | float) else None
+
+
+def _law(b: int, k: int, p_b: float, p_k: float) -> float:
+    """V(b) / V(k) by the closed form's (2^b − 1)⁻² law."""
+    if p_b > 0 and p_k > 0:
+        return p_b / p_k
+    return float(2**k - 1) ** 2 / float(2**b - 1) ** 2
 
 
 def _drift(now: float, then: float) -> float:

@@ -309,7 +309,7 @@ class Controller:
         if not self._calibration.enabled:
             return False
         k = self.config.allocation_interval
-        return self._step % k == 0 or self._allocation is None or self._guard_fired
+        return self._step % k == 0 or self._allocation is None
 
     def _calibrate_and_guard(self) -> bool:
         """Run a due calibration probe and the convergence guard; True if the guard raised bits."""
@@ -346,8 +346,13 @@ class Controller:
         if added is None or reference is None or alloc is None:
             return False
         objective = policy.resolve_objective(self.config, self._budget_spec is not None)
+        predicted = self._calibration.added_predicted
         if objective is Objective.BYTES:
+            # The re-solve that follows uses this probe's measurements; the guard acts only
+            # where the calibrated model itself misses the measured total by more than 2x.
             threshold = 2.0 * self.config.variance_bound * reference
+            if predicted is not None and added <= 2.0 * predicted:
+                return False
         else:
             threshold = self.config.guard_bound * reference
         if added <= threshold:

@@ -10,6 +10,16 @@ bytes and adds nothing. With a budget A, the bytes the allocation does not contr
 knapsack's capacity. Without a budget the capacity is what every layer would take at the
 configured average bits (interpolated between neighbouring choices), with "keep"
 excluded, so the average holds while sensitive layers get more bits than others.
+The variance of each choice is the calibrated model's (NOTE [ Calibration ]).
+
+NOTE [ Default policy ]
+``Controller(model, optimizer)`` with neither ``bits`` nor a budget solves AC-GC's
+problem: the fewest bytes whose added variance stays under ``variance_bound`` times the
+minibatch gradient's own variance (measured by the calibration; its squared norm, then
+the closed form's 1-bit total, until it is). ``bits=`` keeps least variance at that
+average, a budget least variance within it; an explicit ``objective`` overrides all.
+Every policy respects the floors of the convergence guard (NOTE [ Convergence guard ])
+and, while calibrating, gives no layer 1 bit before it was measured there.
 """
 
 from __future__ import annotations
