@@ -36,7 +36,8 @@ class ControllerConfig:
     """Settings of a :class:`memctl.Controller`; every field is checked on construction.
 
     Attributes:
-        bits: average bits per compressed value when there is no budget.
+        bits: average bits per compressed value when there is no budget; ``None`` (the
+            default) with no budget is the adaptive policy (NOTE [ Default policy ]).
         bit_choices: bit widths the allocation may pick per layer.
         allow_keep: whether the allocation may keep a layer uncompressed.
         min_numel: float tensors with fewer values than this are kept as they are.
@@ -45,9 +46,20 @@ class ControllerConfig:
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
-        objective: :class:`Objective` of the allocation.
+        objective: :class:`Objective` of the allocation; ``None`` (the default): least
+            variance under a budget or at ``bits`` average bits, fewest bytes under
+            ``variance_bound`` when neither is given (NOTE [ Default policy ]).
         variance_bound: for ``Objective.BYTES``, the bound on added variance relative to
-            the gradient's own squared norm (AC-GC's allowed loss increase, as a fraction).
+            the minibatch gradient's own variance tr Var(g) as the calibration measures it
+            (its squared norm until then; NOTE [ Calibration ]).
+        calibration_fraction: share of the training time the calibration probes may take
+            (NOTE [ Calibration ]); 0 turns calibration off (the closed-form model alone).
+        calibration_max_replays: most layer measurements in one probe.
+        guard: whether the convergence guard acts (NOTE [ Convergence guard ]).
+        guard_bound: under ``bits=`` or a budget, the measured added variance, relative to
+            the minibatch gradient's own variance, past which the guard raises bits.
+        guard_tolerance: the loss trend check fires when the smoothed loss climbs back by
+            this fraction of the drop so far (losses given to ``observe_loss``).
         solver: how the allocation is searched (:class:`~memctl.allocation.Method`):
             ``"auto"``, the knapsack dynamic program with ``scipy.optimize.milp`` when it
             stops early, or ``"milp"``, HiGHS alone.
@@ -67,7 +79,7 @@ class ControllerConfig:
             batch size and budget across ranks (NOTE [ Agreement across ranks ]).
     """
 
-    bits: float = 2.0
+    bits: float | None = None
     bit_choices: tuple[int, ...] = (1, 2, 4, 8)
     allow_keep: bool = True
     min_numel: int = 4096
@@ -75,8 +87,13 @@ class ControllerConfig:
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10
-    objective: Objective = Objective.VARIANCE
+    objective: Objective | None = None
     variance_bound: float = 0.01
+    calibration_fraction: float = 0.25
+    calibration_max_replays: int = 16
+    guard: bool = True
+    guard_bound: float = 1.0
+    guard_tolerance: float = 0.25
     solver: Method = Method.AUTO
     solver_time_limit_s: float = 0.05
     ema_decay: float = 0.9
@@ -98,19 +115,35 @@ class ControllerConfig:
             raise ConfigError(f"bit_choices={self.bit_choices!r} has duplicates")
         object.__setattr__(self, "bit_choices", tuple(sorted(self.bit_choices)))
         lo, hi = min(self.bit_choices), max(self.bit_choices)
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not lo <= self.bits <= hi:
+        if self.bits is not None and (
+            isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not lo <= self.bits <= hi
+        ):
             raise ConfigError(
                 f"bits={self.bits!r}: the average bits per value must be a number in [{lo}, {hi}] "
-                f"(the range of bit_choices={self.bit_choices})"
+                f"(the range of bit_choices={self.bit_choices}), or None for the adaptive policy"
             )
         _positive_int("min_numel", self.min_numel, zero_ok=True)
         _positive_int("group_size", self.group_size)
         if self.group_size % 8:
             raise ConfigError(f"group_size={self.group_size}: must be a multiple of 8 (e.g. 256)")
         for name, kind in (("codec", CodecMode), ("objective", Objective), ("solver", Method)):
+            if name == "objective" and self.objective is None:
+                continue
             object.__setattr__(self, name, _member(name, getattr(self, name), kind))
         _positive_int("allocation_interval", self.allocation_interval)
         _positive_float("variance_bound", self.variance_bound)
+        fraction = self.calibration_fraction
+        if not (isinstance(fraction, int | float) and not isinstance(fraction, bool)
+                and math.isfinite(fraction) and fraction >= 0):
+            raise ConfigError(
+                f"calibration_fraction={self.calibration_fraction!r}: must be a number >= 0 "
+                "(share of training time for calibration; 0 turns it off)"
+            )
+        _positive_int("calibration_max_replays", self.calibration_max_replays)
+        if not isinstance(self.guard, bool):
+            raise ConfigError(f"guard={self.guard!r}: must be True or False")
+        _positive_float("guard_bound", self.guard_bound)
+        _positive_float("guard_tolerance", self.guard_tolerance)
         _positive_float("solver_time_limit_s", self.solver_time_limit_s)
         if not 0.0 <= self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay={self.ema_decay!r}: must be in [0, 1)")

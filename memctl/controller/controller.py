@@ -35,12 +35,16 @@ import torch
 
 from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
-from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.calibration import Calibration
+from memctl.controller.config import KEEP_BITS, ControllerConfig, Objective
 from memctl.controller.copysafe import ControllerHook, managing_hooks
 from memctl.controller.device import resolve_device
 from memctl.controller.distributed import RankSync, local_rank, rank_info, resolve_group
+from memctl.controller.guard import ConvergenceGuard, LayerNoise
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
+from memctl.controller.probe import run_probe
+from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq
 from memctl.errors import ConfigError
@@ -68,8 +72,11 @@ class Controller:
         optimizer: its ``step`` advances the controller (post-hook). Without one, call
             :meth:`step` after each optimizer step yourself.
         budget: device-memory target: bytes, ``"12GiB"``, ``"75%"`` of the device, or
-            ``None`` (no limit: an average of ``bits`` bits per compressed value).
-        bits: average bits per compressed value when there is no budget.
+            ``None`` (no limit).
+        bits: average bits per compressed value when there is no budget. With neither
+            ``bits`` nor ``budget`` the controller keeps the fewest bytes whose added
+            gradient variance stays under ``variance_bound`` of the minibatch gradient's
+            own (NOTE [ Default policy ]). Every policy is guarded (NOTE [ Convergence guard ]).
         config: a full :class:`ControllerConfig`; keyword overrides are applied on top.
         device: the device whose memory the budget is about (default: the model's).
         process_group: the ``torch.distributed`` group whose ranks agree on the allocation,
@@ -153,6 +160,15 @@ class Controller:
         self._ranks: RankSync | None = RankSync(group) if group is not None else None
         if self._ranks is not None and self._ranks.world_size < 2:
             self._ranks = None
+        self._calibration = Calibration(self.config)
+        self._replayer = Replayer(self.config, self._tracker, self.device)
+        self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
+        self._capture: Capture | None = None
+        self._await_output = False
+        self._replaying = False
+        self._guard_fired = False
+        self._train_s = 0.0
+        self._last_boundary = time.perf_counter()
         self._attach()
         self._publish()
 
@@ -212,12 +228,15 @@ class Controller:
     # -- hooks ------------------------------------------------------------------------
     @torch.compiler.disable
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled():
+        if self._replaying or not torch.is_grad_enabled():
             return
         if self._scope.open():
             self._packer.begin_step(self._step)
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
+            if self._calibration_due():
+                self._capture = self._replayer.capture(args, kwargs)
+                self._await_output = True
         if self._tracker.model_depth == 0:
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             samples = 0
@@ -232,6 +251,8 @@ class Controller:
 
     @torch.compiler.disable
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._replaying:
+            return
         if self._tracker.model_depth > 0:
             self._tracker.model_depth -= 1
         self._packer.observe(output)
@@ -240,6 +261,9 @@ class Controller:
             # that saved them, which would otherwise keep this forward's graph alive
             # (NOTE [ Finding the op that saved a tensor ]).
             self._packer.end_forward()
+        if self._await_output and self._tracker.model_depth == 0 and self._capture is not None:
+            self._await_output = False
+            self._replayer.watch_outputs(self._capture, output)
 
     def begin_step(self) -> None:
         """Open the capture window now (NOTE [ Capture window ]); a no-op while it is open.
@@ -255,7 +279,8 @@ class Controller:
 
     def _grad_probe(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not self._probing or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            if (not self._probing or self._replaying or torch.compiler.is_compiling()
+                    or not torch.is_grad_enabled()):
                 return
             out = _first_tensor(output)
             if out is None or not out.requires_grad or not out.is_floating_point():
@@ -323,6 +348,7 @@ class Controller:
     def _step_boundary(self) -> None:
         started = time.perf_counter()
         self._scope.close()
+        self._train_s += time.perf_counter() - self._last_boundary
         records = self._packer.finish_step()
         batch = self._packer.last_samples
         self._micro_batches = self._packer.last_micro_batches
@@ -348,8 +374,11 @@ class Controller:
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
         ranks = self._ranks
         self._budget_changed |= self._apply_pending() if ranks is None else ranks.apply_budget(self)
+        # Calibration and the guard are per process; under a process group they are off
+        # (_calibration_due), so every rank takes the branches below alike.
+        guarded = self._calibrate_and_guard() if records and ranks is None else False
         solved = False
-        due = self._budget_changed or self._allocation is None or (
+        due = self._budget_changed or self._allocation is None or guarded or (
             self._step % self.config.allocation_interval == 0)
         if due:
             # Static memory only feeds the allocation: measured when it runs, not every step
@@ -357,7 +386,8 @@ class Controller:
             self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
         # With ranks, every rank takes this branch alike (NOTE [ Agreement across ranks ]).
         if (records or ranks is not None) and due and (ranks is None or ranks.reduce_statistics(self)):
-            self._reallocate(reason="budget change" if self._budget_changed else "interval")
+            reason = "budget change" if self._budget_changed else "guard" if guarded else "interval"
+            self._reallocate(reason=reason)
             self._budget_changed = False
             solved = True
         self._update_batch_size(batch)
@@ -368,6 +398,85 @@ class Controller:
         self._probing = self._wants_gradients()
         self._packer.timings.observe_step(time.perf_counter() - started)
         self._publish()
+        self._last_boundary = time.perf_counter()
+
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Give the convergence guard this step's loss (optional; NOTE [ Convergence guard ]).
+
+        Call it once per step, before or after the optimizer step. A tensor is read back
+        (one device synchronisation); pass ``loss.item()`` if you already have it.
+        """
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._guard.observe_loss(value)
+
+    def _calibration_due(self) -> bool:
+        if not self._calibration.enabled or self._ranks is not None:
+            return False
+        k = self.config.allocation_interval
+        return self._step % k == 0 or self._allocation is None
+
+    def _calibrate_and_guard(self) -> bool:
+        """Run a due calibration probe and the convergence guard; True if the guard raised bits."""
+        capture, self._capture = self._capture, None
+        self._await_output = False
+        layers = [s for s in self._layers.values() if s.numels]
+        fallback_g2 = median_grad_sq(layers)
+        fired = self._guard_fired = False
+        if capture is not None and capture.out_grads and layers:
+            self._replaying = True
+            try:
+                result = run_probe(self.model, self._replayer, capture, self._calibration, layers,
+                                   self._choice_for, self.config, fallback_g2, self._step, self._train_s)
+            except Exception as exc:  # NOTE [ Codec fallback ]: calibration never stops training
+                _log.warning("calibration probe failed at step %d (%s: %s); calibration is off from now on",
+                             self._step, type(exc).__name__, exc)
+                self._event("calibration_failed", f"{type(exc).__name__}: {exc}")
+                self._calibration.disable()
+                result = None
+            finally:
+                self._replaying = False
+                self._tracker.reset()
+            self._train_s = 0.0
+            if result is not None and self.config.guard:
+                fired = self._noise_guard(result.added, layers, fallback_g2)
+        if self.config.guard and not fired and self._guard.loss_turning(self._step):
+            fired = self._raise_bits(layers, fallback_g2, 0.5, "the loss turned back up against its history")
+        self._guard_fired = fired
+        return fired
+
+    def _noise_guard(self, added: float | None, layers: list[LayerState], fallback_g2: float) -> bool:
+        reference = self._calibration.reference()
+        alloc = self._allocation
+        if added is None or reference is None or alloc is None:
+            return False
+        objective = policy.resolve_objective(self.config, self._budget_spec is not None)
+        predicted = self._calibration.added_predicted
+        if objective is Objective.BYTES:
+            # The re-solve that follows uses this probe's measurements; the guard acts only
+            # where the calibrated model itself misses the measured total by more than 2x.
+            threshold = 2.0 * self.config.variance_bound * reference
+            if predicted is not None and added <= 2.0 * predicted:
+                return False
+        else:
+            threshold = self.config.guard_bound * reference
+        if added <= threshold:
+            return False
+        why = (f"measured added gradient variance {added:.3g} exceeds the bound {threshold:.3g} "
+               f"({added / reference:.2%} of the minibatch gradient's own variance)")
+        return self._raise_bits(layers, fallback_g2, 1.0 - threshold / added, why)
+
+    def _raise_bits(self, layers: list[LayerState], fallback_g2: float, excess: float, why: str) -> bool:
+        noise = [LayerNoise(s.name, self._choice_for(s.name)[0],
+                            self._calibration.estimate(s, fallback_g2, self._choice_for(s.name)[0]))
+                 for s in layers if self._choice_for(s.name)[0] < KEEP_BITS]
+        raised = self._guard.raise_bits(noise, excess, self._step)
+        if not raised:
+            return False
+        what = ", ".join(f"{name} {old:g}->{new:g}" for name, old, new in raised)
+        msg = f"{why}; raising bits: {what}"
+        _log.warning("convergence guard at step %d: %s", self._step, msg)
+        self._event("guard", msg)
+        return True
 
     def _wants_gradients(self) -> bool:
         """Measure ‖∇Y‖² only on steps whose statistics the next allocation uses.
@@ -401,7 +510,15 @@ class Controller:
             self._activation_budget = max(total - self._static_bytes - margin, 0)
         fallback_g2 = median_grad_sq(layers)
         fixed = policy.fixed_bytes(list(self._layers.values()))
-        result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed)
+        calibration = self._calibration
+
+        def variance(state: LayerState, bits: int) -> float:
+            return calibration.estimate(state, fallback_g2, bits)
+
+        evidence = {s.name: f for s in layers if (f := calibration.floor(s)) is not None}
+        result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed,
+                                 calibration.reference(), variance_fn=variance,
+                                 floors=self._guard.floors, evidence_floors=evidence)
         for state in layers:
             state.bits = result.bits[state.name]
             state.error_bound = result.error_bounds.get(state.name)
@@ -414,19 +531,32 @@ class Controller:
             "objective": result.objective,
             "feasible": result.feasible,
             "predicted_bytes": result.predicted_bytes,
+            "policy": result.objective_kind,
+            "variance_bound": result.bound,
+            "predicted_variance": result.predicted_variance,
         }
         _log.info("allocation at step %d (%s): %s in %.2f ms, %s", self._step, reason,
                   result.solver, result.time_s * 1e3, result.status)
         if not result.feasible and self._activation_budget is not None:
             batch = max(self._totals.get("batch", 0), 1)
             recommended = policy.recommend_batch(result, batch, self._activation_budget)
+            kind = "budget_infeasible"
             msg = (
                 f"budget {self._budget_text()} cannot be met even at the lowest precision at batch size "
                 f"{batch}: activations need {format_bytes(result.min_bytes)} but "
                 f"{format_bytes(self._activation_budget)} is left after {format_bytes(self._static_bytes)} "
                 f"of static memory; use a batch size of at most {recommended}"
             )
-            self._event("budget_infeasible", msg)
+            if result.min_bytes_unguarded <= self._activation_budget:
+                kind = "guard_budget"
+                msg = (
+                    f"budget {self._budget_text()} can only be met at batch size {batch} with bits the "
+                    f"convergence guard found to hurt training: the guarded bits need "
+                    f"{format_bytes(result.min_bytes)} of activations but "
+                    f"{format_bytes(self._activation_budget)} is left; keeping the guarded bits; "
+                    f"use a batch size of at most {recommended}"
+                )
+            self._event(kind, msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             self._batch_size = recommended
         else:
@@ -559,12 +689,24 @@ class Controller:
             "fallbacks": self._fallbacks,
             "errors": self._errors,
             "allocation": dict(self._allocation) if self._allocation else None,
+            "calibration": self._calibration.state_dict(),
+            "guard": self._guard.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`: all checked first, then applied at once
         (NOTE [ Atomic state restore ]); a rejected state leaves the controller unchanged."""
         valid = validate_state(state)
+        calibration, guard = Calibration(self.config), ConvergenceGuard(
+            self.config.guard_tolerance, self.config.bit_choices)
+        try:
+            calibration.load_state_dict(dict(state.get("calibration") or {}))
+            guard.load_state_dict(dict(state.get("guard") or {}))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise ConfigError(
+                f"controller state has an invalid 'calibration' or 'guard' entry ({exc}); "
+                "pass a state_dict() saved by memctl, or drop those keys to start them afresh"
+            ) from None
         self._step = valid.step
         self._budget_spec = valid.budget
         self._layers = valid.layers
@@ -575,6 +717,7 @@ class Controller:
         self._fallbacks = valid.fallbacks
         self._errors = valid.errors
         self._allocation = valid.allocation
+        self._calibration, self._guard = calibration, guard
         self._event("load_state", f"state restored at step {self._step}")
         self._publish()
 
@@ -584,6 +727,9 @@ class Controller:
 
     def _budget_text(self) -> str:
         if self._budget_spec is None:
+            if self.config.bits is None:
+                return (f"none (adaptive: fewest bytes within {self.config.variance_bound:g} of the "
+                        "gradient's own variance)")
             return f"none (average {self.config.bits:g} bits per value)"
         return f"{self._budget_spec.text} ({format_bytes(self._resolve(self._budget_spec))})"
 
@@ -622,6 +768,14 @@ class Controller:
             "events": [dict(e) for e in self._events],
             "counters": {"events": dict(self._event_counts)},
             "timings": self._packer.timings.to_dict(),
+            "calibration": {
+                "probes": self._calibration.probes,
+                "grad_sq": self._calibration.grad_sq,
+                "grad_variance": self._calibration.grad_noise,
+                "added_variance": self._calibration.added,
+                "added_variance_predicted": self._calibration.added_predicted,
+                "guard_actions": self._guard.actions,
+            },
             "memory": memory_sample.to_dict() if memory_sample is not None else None,
             **rank_info(self._ranks),
             "saved_as_is": {"tensors": self._packer.passed, "fsdp_parameters": self._packer.fsdp_passed},
@@ -637,6 +791,8 @@ class Controller:
                     "sensitivity": s.sensitivity(g2),
                     "min": s.vmin,
                     "max": s.vmax,
+                    **(self._calibration.report(s, g2) if s.numels else {}),
+                    "floor_bits": self._guard.floors.get(s.name),
                 }
                 for s in layers
                 if s.raw_bytes or s.other_bytes or s.bits is not None

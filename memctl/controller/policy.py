@@ -11,20 +11,36 @@ knapsack's capacity. Without a budget the capacity is what every layer would tak
 configured average bits (interpolated between neighbouring choices), with "keep"
 excluded, so the average holds while sensitive layers get more bits than others.
 The objectives and solvers: docs/design.md, "The allocation".
+
+The variance of each choice is the calibrated model's (NOTE [ Calibration ]).
+
+NOTE [ Default policy ]
+``Controller(model, optimizer)`` with neither ``bits`` nor a budget solves AC-GC's
+problem: the fewest bytes whose added variance stays under ``variance_bound`` times the
+minibatch gradient's own variance (measured by the calibration; its squared norm, then
+the closed form's 1-bit total, until it is). ``bits=`` keeps least variance at that
+average, a budget least variance within it; an explicit ``objective`` overrides all.
+Every policy respects the floors of the convergence guard (NOTE [ Convergence guard ])
+and, while calibrating, gives no layer 1 bit before it was measured there.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from memctl import allocation
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig, Objective
 from memctl.controller.stats import LayerState
 
-__all__ = ["PolicyResult", "allocate", "bytes_per_sample", "default_bits", "fixed_bytes", "recommend_batch"]
+__all__ = [
+    "PolicyResult", "VarianceFn", "allocate", "bytes_per_sample", "default_bits", "error_bound_for",
+    "fixed_bytes", "recommend_batch", "resolve_objective",
+]
+
+#: ``variance_fn(layer, bits) -> added variance``: the (calibrated) variance model.
+VarianceFn = Callable[[LayerState, int], float]
 
 
 @dataclass(frozen=True)
@@ -38,11 +54,27 @@ class PolicyResult:
     feasible: bool = True
     predicted_bytes: int = 0
     min_bytes: int = 0
+    min_bytes_unguarded: int = 0
+    """Least bytes with no floors at all (NOTE [ Convergence guard ])."""
+    objective_kind: str = ""
+    bound: float | None = None
+    predicted_variance: float = 0.0
 
 
 def default_bits(config: ControllerConfig) -> int:
-    """The bit choice closest to the configured average (used before the first allocation)."""
-    return min(config.bit_choices, key=lambda b: (abs(b - config.bits), -b))
+    """The bit choice closest to the configured average (used before the first allocation;
+    2 bits, or the nearest choice, for the adaptive policy)."""
+    target = config.bits if config.bits is not None else 2.0
+    return min(config.bit_choices, key=lambda b: (abs(b - target), -b))
+
+
+def resolve_objective(config: ControllerConfig, has_budget: bool) -> Objective:
+    """NOTE [ Default policy ]: an explicit ``objective`` wins; otherwise least variance under
+    a budget or at ``bits`` average bits, and AC-GC's fewest bytes under the variance bound
+    when neither was given."""
+    if config.objective is not None:
+        return config.objective
+    return Objective.VARIANCE if has_budget or config.bits is not None else Objective.BYTES
 
 
 def _choice_bytes(s: LayerState, bits: float, group_size: int) -> int:
@@ -58,22 +90,36 @@ def _choices(config: ControllerConfig, keep: bool) -> list[int]:
     return [*config.bit_choices, *([KEEP_BITS] if keep else [])]
 
 
-def _cost_matrices(
-    layers: list[LayerState], config: ControllerConfig, choices: list[int], fallback_g2: float
-) -> tuple[np.ndarray, np.ndarray]:
-    nbytes = np.zeros((len(layers), len(choices)), dtype=np.float64)
-    variance = np.zeros_like(nbytes)
-    for i, s in enumerate(layers):
-        c = s.sensitivity(fallback_g2)
-        for k, b in enumerate(choices):
-            nbytes[i, k] = _choice_bytes(s, b, config.group_size)
-            variance[i, k] = 0.0 if b >= KEEP_BITS else c / float(2**b - 1) ** 2
+def _closed_form_fn(fallback_g2: float) -> VarianceFn:
+    def fn(s: LayerState, b: int) -> float:
+        return 0.0 if b >= KEEP_BITS else s.sensitivity(fallback_g2) / float(2**b - 1) ** 2
+
+    return fn
+
+
+def _layer_choices(layers: list[LayerState], choices: list[int],
+                   floors: Mapping[str, float]) -> list[list[int]]:
+    """Each layer's choices at or above its floor (the highest choice if the floor is above all)."""
+    out = []
+    for s in layers:
+        floor = floors.get(s.name)
+        mine = [b for b in choices if floor is None or b >= floor]
+        out.append(mine or [choices[-1]])
+    return out
+
+
+def _cost_rows(layers: list[LayerState], config: ControllerConfig, per_layer: list[list[int]],
+               variance_fn: VarianceFn) -> tuple[list[list[int]], list[list[float]]]:
+    nbytes = [[_choice_bytes(s, b, config.group_size) for b in mine] for s, mine in zip(layers, per_layer,
+                                                                                           strict=True)]
+    variance = [[0.0 if b >= KEEP_BITS else max(float(variance_fn(s, b)), 0.0) for b in mine]
+                for s, mine in zip(layers, per_layer, strict=True)]
     return nbytes, variance
 
 
 def _bytes_at_average(layers: list[LayerState], config: ControllerConfig) -> float:
     """Σ_l bytes at ``config.bits``, interpolating between neighbouring bit choices."""
-    bits = config.bits
+    bits = config.bits if config.bits is not None else float(default_bits(config))
     lower = max(b for b in config.bit_choices if b <= bits)
     upper = min(b for b in config.bit_choices if b >= bits)
     total = 0.0
@@ -92,41 +138,71 @@ def allocate(
     fallback_g2: float,
     fixed: int,
     grad_sq_total: float | None = None,
+    *,
+    variance_fn: VarianceFn | None = None,
+    floors: Mapping[str, float] | None = None,
+    evidence_floors: Mapping[str, float] | None = None,
 ) -> PolicyResult:
     """Per-layer bits for the next steps (see NOTE [ Allocation problem ]).
 
     ``layers`` are those that saved float tensors the allocation controls; ``fixed`` is
-    what every layer saved that it does not control.
+    what every layer saved that it does not control. ``variance_fn`` is the variance model
+    (the closed form when ``None``); ``grad_sq_total`` the variance the BYTES objective's
+    bound is relative to. ``floors`` (the convergence guard's) and ``evidence_floors``
+    (the calibration's: no 1 bit before it was measured) are the lowest bits each layer may
+    get; under a budget that cannot be met with the evidence floors they are dropped, and
+    a budget that cannot be met with the guard's floors comes back infeasible with
+    ``min_bytes_unguarded`` saying whether it could be met without them.
     """
     if not layers:
         return PolicyResult(bits={}, status="no layers saved activations")
     keep = config.allow_keep and activation_budget is not None
     choices = _choices(config, keep)
-    nbytes, variance = _cost_matrices(layers, config, choices, fallback_g2)
+    fn = variance_fn if variance_fn is not None else _closed_form_fn(fallback_g2)
+    objective = resolve_objective(config, activation_budget is not None)
+    guard = dict(floors or {})
+    merged = {**(evidence_floors or {}), **guard}
+    for name, f in (evidence_floors or {}).items():
+        merged[name] = max(f, guard.get(name, f))
+    free_choices = _layer_choices(layers, choices, {})
+    free_bytes, _ = _cost_rows(layers, config, free_choices, lambda s, b: 0.0)
+    min_unguarded = sum(min(row) for row in free_bytes) + fixed
+    attempts = [merged, guard] if activation_budget is not None and merged != guard else [merged]
+    for i, active in enumerate(attempts):
+        result = _solve(layers, config, activation_budget, fixed, grad_sq_total, fn, choices, active,
+                        objective)
+        if result.feasible or i == len(attempts) - 1:
+            break
+    return PolicyResult(**{**result.__dict__, "min_bytes_unguarded": min_unguarded})
+
+
+def _solve(layers: list[LayerState], config: ControllerConfig, activation_budget: int | None,
+           fixed: int, grad_sq_total: float | None, fn: VarianceFn, choices: list[int],
+           floors: Mapping[str, float], objective: Objective) -> PolicyResult:
+    per_layer = _layer_choices(layers, choices, floors)
+    int_bytes, var_rows = _cost_rows(layers, config, per_layer, fn)
+    floor_bytes = sum(min(row) for row in int_bytes)
+    bound: float | None = None
     if activation_budget is None:
-        capacity = _bytes_at_average(layers, config)
+        capacity = max(_bytes_at_average(layers, config), float(floor_bytes))
     else:
         capacity = float(activation_budget - fixed)
-    int_bytes = [[int(v) for v in row] for row in nbytes]
-    var_rows = variance.tolist()
-    if config.objective is Objective.BYTES:
-        bound = config.variance_bound * (grad_sq_total if grad_sq_total else float(variance[:, 0].sum()))
+    if objective is Objective.BYTES:
+        reference = grad_sq_total if grad_sq_total else float(sum(row[0] for row in var_rows))
+        bound = config.variance_bound * reference
         problem = allocation.Problem(int_bytes, var_rows, objective=Objective.BYTES, variance_bound=bound)
     else:
         problem = allocation.Problem(int_bytes, var_rows, objective=Objective.VARIANCE,
                                      budget_bytes=max(int(capacity), 1))
     result = allocation.solve(problem, time_limit_s=config.solver_time_limit_s, method=config.solver)
-    bits = {s.name: float(choices[k]) for s, k in zip(layers, result.choice, strict=True)}
+    bits = {s.name: float(mine[k]) for s, mine, k in zip(layers, per_layer, result.choice, strict=True)}
     error_bounds: dict[str, float] = {}
     if config.codec is CodecMode.ERRORBOUND:
         for s in layers:
-            b = bits[s.name]
-            total = sum(s.numels)
-            if b < KEEP_BITS and s.ema_range_term is not None and total > 0:
-                mean_range = math.sqrt(max(s.ema_range_term, 0.0) * s.batch / total)
-                if mean_range > 0:
-                    error_bounds[s.name] = mean_range / (2.0 * (2.0**b - 1.0))
-    min_bytes = int(nbytes.min(axis=1).sum()) + fixed
+            eb = error_bound_for(s, bits[s.name])
+            if eb is not None:
+                error_bounds[s.name] = eb
+    min_bytes = floor_bytes + fixed
     feasible = result.feasible
     if activation_budget is not None and min_bytes > activation_budget:
         feasible = False
@@ -140,7 +216,19 @@ def allocate(
         feasible=feasible,
         predicted_bytes=int(result.total_bytes) + fixed,
         min_bytes=min_bytes,
+        objective_kind=objective.value,
+        bound=bound,
+        predicted_variance=float(result.total_variance),
     )
+
+
+def error_bound_for(s: LayerState, bits: float) -> float | None:
+    """The error-bound codec's bound for ``bits`` on layer ``s``: e = R / (2 (2^b − 1))."""
+    total = sum(s.numels)
+    if bits >= KEEP_BITS or s.ema_range_term is None or total <= 0:
+        return None
+    mean_range = math.sqrt(max(s.ema_range_term, 0.0) * s.batch / total)
+    return mean_range / (2.0 * (2.0**bits - 1.0)) if mean_range > 0 else None
 
 
 def fixed_bytes(layers: list[LayerState]) -> int:

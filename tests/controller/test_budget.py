@@ -162,9 +162,10 @@ def test_activation_bytes_stay_within_new_budget_from_next_step(solver: str, use
     torch.manual_seed(0)
     model = CNN(c=32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    # A generous solve time limit: which solver answers must not depend on the machine's load.
+    # bits=2: the measurement below is "at two bits" (the default is the adaptive policy); a
+    # generous solve time limit: which solver answers must not depend on the machine's load.
     ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000,
-                            solver=solver, solver_time_limit_s=10.0)
+                            solver=solver, bits=2, solver_time_limit_s=10.0)
     _run(ctl, model, opt, 2)
     static = ctl.stats()["static_bytes"]
     at_two_bits = ctl.stats()["packed_bytes"] + ctl.stats()["other_bytes"]

@@ -1,0 +1,286 @@
+"""The calibrated variance model: what compressing each layer at each bit width really adds.
+
+NOTE [ Calibration ]
+The closed form of NOTE [ Sensitivity ] (ActNN's C_l / (2^b − 1)²) only sees a layer's
+own weight gradient, through a product of averages. On real networks it is wrong by
+orders of magnitude, and not by one factor: on a ResNet-18 the BatchNorm inputs of the
+last stage add ~5000x more whole-gradient noise per unit of C_l than those of the
+first, because BatchNorm's backward reads its saved input to form the input gradient,
+so an error there reaches every layer below; and at 1 bit the noise grows much faster
+than (2^b − 1)⁻² predicts (1 bit vs 2 bits: 10–70x, not 9x). An allocation that trusts
+the closed form gives 1 bit to exactly the layers that make training diverge.
+
+So the controller measures. On calibration steps (the steps whose boundary re-solves
+the allocation) it replays the step (NOTE [ Replay ]) with every layer exact, and then
+with one layer's saved tensors compressed at b bits and the rest exact: the squared
+distance between the two whole-model gradients is the variance (with any bias) that
+compressing that layer at b bits adds, measured. A measurement is kept as a factor
+over the closed form at the time, so between measurements the estimate still follows
+the layer's gradient and range statistics:
+
+    V_l(b) = V_meas(l, b) · clip(√(P_l(b) / P_meas(l, b)), 1/2, 2)        P = closed form
+
+with V_meas and P_meas running means over the last few probes (one measurement is one
+random draw: on BatchNorm inputs, whose error lands in few directions, single draws
+spread by up to 7x). The drift is damped and clipped because the closed form of a layer
+without parameters borrows the median output gradient, which can move the wrong way.
+
+An unmeasured bit width of a measured layer comes from its nearest measured width, moved
+by the (2^b − 1)⁻² law (which holds per layer from 2 bits up within ~1.3x on the nets we
+measured) (at 1 bit from 2 bits, times the largest 1-bit/2-bit excess seen on any
+layer, 8 until one is seen); an unmeasured layer takes the largest factor of any
+measured layer. Both err towards more bits. A bit width below 2 is allowed for a layer
+only once it has been measured there (:meth:`Calibration.floor`): 1 bit is the width
+whose damage the closed form hides.
+
+The same probe measures the minibatch gradient's own variance (the reference of the
+variance bound): the batch is replayed as two halves A and B, each against its part of
+the output gradient, and E‖g_A − g_B‖² = tr Var(g) for a gradient that sums N
+independent per-sample terms (BatchNorm couples the samples, so this is approximate).
+It also replays the allocation in use, whose measured added variance the convergence
+guard (NOTE [ Convergence guard ]) compares with the bound.
+
+Cost: each replay is one forward and backward. Calibration spends at most
+``calibration_fraction`` of the training time (measured by the clock, unused time
+carries over), at least one layer measurement per probe, so a large model is
+calibrated over a number of intervals, largest layers first, 2 bits before 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.stats import LayerState
+
+__all__ = ["Calibration", "Measurement", "closed_form"]
+
+# 1-bit over 2-bit noise factor assumed until one is measured (ResNet-18 shows up to ~7.5).
+_DEFAULT_ONE_BIT_EXCESS = 8.0
+_DRIFT_CLIP = 2.0
+_EMA = 0.5
+_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured added variance of one layer at one bit width."""
+
+    value: float
+    """Running mean of the measured added variance."""
+    closed_form: float
+    """Running mean of the closed form at the same probes."""
+    step: int
+    """Step of the last measurement."""
+    count: int = 1
+
+
+def closed_form(state: LayerState, fallback_g2: float, bits: float) -> float:
+    """ActNN's prediction C_l / (2^b − 1)² (0 for "keep")."""
+    if bits >= KEEP_BITS:
+        return 0.0
+    return state.sensitivity(fallback_g2) / float(2 ** int(bits) - 1) ** 2
+
+
+class Calibration:
+    """Per-layer measurements, the model built on them, and the probe's schedule."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self._config = config
+        self.measured: dict[str, dict[int, Measurement]] = {}
+        self.grad_sq: float | None = None
+        """EMA of the exact gradient's squared norm at the probes."""
+        self.grad_noise: float | None = None
+        """EMA of tr Var(g), the minibatch gradient's own variance."""
+        self.added: float | None = None
+        """Added variance of the allocation in use, measured at the last probe."""
+        self.added_predicted: float | None = None
+        self.replay_s: float | None = None
+        self.carry_s = 0.0
+        self.probes = 0
+        self._disabled = False
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.calibration_fraction > 0 and not self._disabled
+
+    def disable(self) -> None:
+        """Stop probing (after a probe failed); what was measured stays in use."""
+        self._disabled = True
+
+    # -- measurements ---------------------------------------------------------------
+    def record(self, layer: str, bits: int, value: float, predicted: float, step: int) -> None:
+        """Fold one measurement into the layer's running mean (window of ``_WINDOW`` probes)."""
+        if not (math.isfinite(value) and value >= 0):
+            return
+        mine = self.measured.setdefault(layer, {})
+        old = mine.get(bits)
+        if old is None:
+            mine[bits] = Measurement(value, predicted, step, 1)
+            return
+        n = min(old.count + 1, _WINDOW)
+        w = 1.0 / n
+        mine[bits] = Measurement((1 - w) * old.value + w * value, (1 - w) * old.closed_form + w * predicted,
+                                 step, old.count + 1)
+
+    def record_reference(self, grad_sq: float | None, noise: float | None) -> None:
+        if grad_sq is not None and math.isfinite(grad_sq):
+            self.grad_sq = _ema(self.grad_sq, grad_sq)
+        if noise is not None and math.isfinite(noise) and noise > 0:
+            self.grad_noise = _ema(self.grad_noise, noise)
+
+    def reference(self) -> float | None:
+        """The variance the bound is relative to: tr Var(g) if measured, else ‖g‖²."""
+        if self.grad_noise:
+            return self.grad_noise
+        return self.grad_sq if self.grad_sq else None
+
+    # -- the model ----------------------------------------------------------------------
+    def estimate(self, state: LayerState, fallback_g2: float, bits: float) -> float:
+        """V_l(b) of NOTE [ Calibration ] (the closed form when nothing was measured yet)."""
+        if bits >= KEEP_BITS:
+            return 0.0
+        b = int(bits)
+        p = closed_form(state, fallback_g2, b)
+        mine = self.measured.get(state.name, {})
+        if b in mine:
+            m = mine[b]
+            return m.value * _drift(p, m.closed_form)
+        if mine:
+            near = min(mine, key=lambda k: (abs(k - b), -k))
+            m = mine[near]
+            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near))
+            if b == 1 and near >= 2:
+                value *= self.one_bit_excess()
+            return value
+        largest = self._largest_factor(b)
+        return p if largest is None else largest * p
+
+    def floor(self, state: LayerState) -> float | None:
+        """The lowest bit width the allocation may give ``state`` (None: no floor)."""
+        if not self.enabled:
+            return None
+        choices = self._config.bit_choices
+        safe = [b for b in choices if b >= 2]
+        if not safe or 1 not in choices or 1 in self.measured.get(state.name, {}):
+            return None
+        return float(min(safe))
+
+    def one_bit_excess(self) -> float:
+        """Largest (1-bit factor) / (2-bit factor) over layers measured at both."""
+        ratios = [
+            (mine[1].value / mine[1].closed_form) / (mine[2].value / mine[2].closed_form)
+            for mine in self.measured.values()
+            if 1 in mine and 2 in mine and mine[1].closed_form > 0 and mine[2].closed_form > 0
+            and mine[2].value > 0
+        ]
+        return max(max(ratios), 1.0) if ratios else _DEFAULT_ONE_BIT_EXCESS
+
+    def _largest_factor(self, bits: int) -> float | None:
+        exact = [m.value / m.closed_form for mine in self.measured.values()
+                 for k, m in mine.items() if k == bits and m.closed_form > 0]
+        if exact:
+            return max(exact)
+        other = [m.value / m.closed_form for mine in self.measured.values()
+                 for m in mine.values() if m.closed_form > 0]
+        if not other:
+            return None
+        return max(other) * (self.one_bit_excess() if bits == 1 else 1.0)
+
+    # -- the schedule -------------------------------------------------------------------
+    def order(self) -> list[int]:
+        """Bit widths in the order they are measured: the lowest width >= 2 first, then up from 1."""
+        choices = sorted(self._config.bit_choices)
+        safe = [b for b in choices if b >= 2]
+        first = safe[0] if safe else choices[0]
+        return [first, *[b for b in choices if b != first]]
+
+    def schedule(self, layers: Iterable[LayerState], limit: int) -> list[tuple[str, int]]:
+        """Up to ``limit`` (layer, bits) pairs to measure next: unmeasured first, then the stalest."""
+        ranked = sorted(layers, key=lambda s: (-sum(s.numels), s.name))
+        order = self.order()
+        pairs: list[tuple[str, int]] = []
+        for b in order:
+            for s in ranked:
+                if b not in self.measured.get(s.name, {}):
+                    pairs.append((s.name, b))
+        if len(pairs) < limit:
+            names = {s.name for s in ranked}
+            stale = sorted(
+                ((m.step, name, b) for name, mine in self.measured.items() if name in names
+                 for b, m in mine.items() if b in order[:2]),
+            )
+            pairs.extend((name, b) for _, name, b in stale)
+        return pairs[:max(limit, 0)]
+
+    def allowance(self, train_s: float, fixed_replays: int) -> int:
+        """How many layer measurements this probe may run (at least one)."""
+        budget = self.carry_s + self._config.calibration_fraction * max(train_s, 0.0)
+        per = self.replay_s if self.replay_s else None
+        if per is None or per <= 0:
+            return 1
+        n = int(budget // per) - fixed_replays
+        return max(1, min(n, self._config.calibration_max_replays))
+
+    def spend(self, train_s: float, spent_s: float) -> None:
+        """Carry the unused share of the time budget to the next probe (at most 20 steps' worth)."""
+        budget = self.carry_s + self._config.calibration_fraction * max(train_s, 0.0)
+        cap = self._config.calibration_fraction * max(train_s, 0.0) * 20
+        self.carry_s = min(max(budget - spent_s, 0.0), cap)
+
+    def time_replay(self, seconds: float) -> None:
+        self.replay_s = _ema(self.replay_s, seconds)
+
+    # -- reporting ------------------------------------------------------------------------
+    def report(self, state: LayerState, fallback_g2: float) -> dict[str, dict[str, float]]:
+        """``variance_predicted`` / ``variance_closed_form`` / ``variance_measured`` keyed by bits."""
+        choices = self._config.bit_choices
+        return {
+            "variance_predicted": {str(b): self.estimate(state, fallback_g2, b) for b in choices},
+            "variance_closed_form": {str(b): closed_form(state, fallback_g2, b) for b in choices},
+            "variance_measured": {str(b): m.value
+                                  for b, m in sorted(self.measured.get(state.name, {}).items())},
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "measured": {n: {str(b): [m.value, m.closed_form, m.step, m.count] for b, m in mine.items()}
+                         for n, mine in self.measured.items()},
+            "grad_sq": self.grad_sq,
+            "grad_noise": self.grad_noise,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        measured = state.get("measured") or {}
+        self.measured = {}
+        if isinstance(measured, dict):
+            for name, mine in measured.items():
+                self.measured[str(name)] = {
+                    int(b): Measurement(float(v[0]), float(v[1]), int(v[2]), int(v[3]))
+                    for b, v in dict(mine).items()
+                }
+        g2, noise = state.get("grad_sq"), state.get("grad_noise")
+        self.grad_sq = float(g2) if isinstance(g2, int | float) else None
+        self.grad_noise = float(noise) if isinstance(noise, int | float) else None
+
+
+def _law(b: int, k: int, p_b: float, p_k: float) -> float:
+    """V(b) / V(k) by the closed form's (2^b − 1)⁻² law."""
+    if p_b > 0 and p_k > 0:
+        return p_b / p_k
+    return float(2**k - 1) ** 2 / float(2**b - 1) ** 2
+
+
+def _drift(now: float, then: float) -> float:
+    """How far the closed form moved since the measurements, damped (square root) and clipped."""
+    if now <= 0 or then <= 0:
+        return 1.0
+    return min(max(math.sqrt(now / then), 1.0 / _DRIFT_CLIP), _DRIFT_CLIP)
+
+
+def _ema(old: float | None, new: float) -> float:
+    if old is None or not math.isfinite(old):
+        return new
+    return _EMA * old + (1.0 - _EMA) * new

@@ -1,0 +1,109 @@
+"""One calibration probe: the replays of NOTE [ Calibration ] at a step boundary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from memctl.controller.calibration import Calibration, closed_form
+from memctl.controller.config import CodecMode, ControllerConfig
+from memctl.controller.policy import error_bound_for
+from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, only
+from memctl.controller.stats import LayerState
+
+__all__ = ["ProbeResult", "run_probe"]
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured."""
+
+    measured: list[tuple[str, int, float]] = field(default_factory=list)
+    grad_sq: float | None = None
+    noise: float | None = None
+    added: float | None = None
+    """Added variance of the allocation in use (None when nothing was compressed)."""
+    predicted: float | None = None
+    """The calibrated model's prediction of ``added``."""
+    replays: int = 0
+    seconds: float = 0.0
+
+
+def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, calibration: Calibration,
+              layers: list[LayerState], in_use: ChoiceFn, config: ControllerConfig, fallback_g2: float,
+              step: int, train_s: float) -> ProbeResult:
+    """Replay the captured step: exact, the allocation in use, two half batches, then layers."""
+    result = ProbeResult()
+    start = time.perf_counter()
+    buffers = [b.detach().clone() for b in model.buffers()]
+    seed = (step * 0x2545F491 + 17) & 0xFFFFFFFF
+    try:
+        exact_g = _timed(calibration, result, lambda: replayer.gradient(model, capture, exact, seed))
+        if exact_g is None:
+            return result
+        result.grad_sq = float(exact_g.square().sum())
+        used = _timed(calibration, result, lambda: replayer.gradient(model, capture, in_use, seed + 1))
+        if used is not None:
+            result.added = float((used - exact_g).square().sum())
+            del used
+            result.predicted = sum(
+                calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers
+            )
+        batch = _batch(capture, config.batch_dim)
+        if batch is not None and batch >= 2:
+            h = batch // 2
+            ga = replayer.gradient(model, capture, exact, seed + 2, part=(0, h))
+            gb = replayer.gradient(model, capture, exact, seed + 3, part=(h, batch - h))
+            if ga is not None and gb is not None:
+                result.noise = float((ga - gb).square().sum())
+        calibration.record_reference(result.grad_sq, result.noise)
+        by_name = {s.name: s for s in layers}
+        limit = calibration.allowance(train_s, result.replays + 1)
+        for name, bits in calibration.schedule(layers, limit):
+            s = by_name[name]
+            eb = error_bound_for(s, bits) if config.codec is CodecMode.ERRORBOUND else None
+            choice = only(name, float(bits), eb)
+            salt = seed + 7 + result.replays
+            g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
+            if g is None:
+                continue
+            value = float((g - exact_g).square().sum())
+            calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
+            result.measured.append((name, bits, value))
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        result.seconds = time.perf_counter() - start
+        calibration.spend(train_s, result.seconds)
+        calibration.probes += 1
+    if result.added is not None:
+        calibration.added = result.added
+        calibration.added_predicted = result.predicted
+    return result
+
+
+def _replay_fn(replayer: Replayer, model: torch.nn.Module, capture: Capture, choice: ChoiceFn,
+               seed: int) -> Callable[[], torch.Tensor | None]:
+    return lambda: replayer.gradient(model, capture, choice, seed)
+
+
+def _timed(calibration: Calibration, result: ProbeResult,
+           fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    t0 = time.perf_counter()
+    out = fn()
+    calibration.time_replay(time.perf_counter() - t0)
+    result.replays += 1
+    return out
+
+
+def _batch(capture: Capture, dim: int) -> int | None:
+    from memctl.controller.replay import flatten_tensors
+
+    for t in flatten_tensors((capture.args, capture.kwargs)):
+        if t is not None and t.dim() > dim:
+            return int(t.shape[dim])
+    return None

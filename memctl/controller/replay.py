@@ -1,0 +1,175 @@
+"""Replaying one training step's forward and backward with chosen per-layer precisions.
+
+NOTE [ Replay ]
+The calibration (NOTE [ Calibration ]) needs the whole-model weight gradient of the
+step with some layers' saved tensors compressed and the others exact. On a calibration
+step the controller keeps references to the model's inputs, the CPU (and CUDA) random
+state before the forward, and the gradient the loss sent into each model output. At the
+step boundary a replay runs the model's forward again under its own saved-tensor hooks
+(a private :class:`~memctl.controller.packing.Packer` whose per-layer choice is what
+the replay asks for), then ``torch.autograd.grad`` of the outputs against those output
+gradients: the user's loss is never called again, and ``.grad`` is never touched. The
+random state is restored before each replay (dropout draws the same masks) and the
+buffers (BatchNorm's running statistics) are put back after the last one.
+
+The optimizer has already updated the parameters when the boundary runs; every replay
+of one probe runs at the same (updated) parameters, so differences between replays are
+what the precisions change, nothing else. The output gradients came from the previous
+parameters: they only fix a direction to differentiate along, which every replay shares.
+A replay holds the raw activations of one forward (what plain PyTorch holds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.packing import Packer
+
+__all__ = ["Capture", "Replayer", "flatten_tensors"]
+
+ChoiceFn = Callable[[str], tuple[float, float | None]]
+
+
+def flatten_tensors(value: Any) -> list[torch.Tensor | None]:
+    """Tensors in ``value`` (tensor, tuple, list, dict) in a fixed order; ``None`` for others."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in flatten_tensors(item)]
+    if isinstance(value, Mapping):
+        return [t for key in value for t in flatten_tensors(value[key])]
+    return [None]
+
+
+@dataclass
+class Capture:
+    """What one calibration step keeps to replay it (see NOTE [ Replay ])."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None = None
+    out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def store_grad(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(g: torch.Tensor) -> None:
+            self.out_grads[index] = g.detach()
+
+        return hook
+
+
+class Replayer:
+    """Runs replays of one captured step (NOTE [ Replay ])."""
+
+    def __init__(self, config: ControllerConfig, tracker: ModuleTracker, device: torch.device) -> None:
+        self._config = config
+        self._tracker = tracker
+        self._device = device
+
+    def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
+        cuda_rng = None
+        if self._device.type == "cuda":
+            cuda_rng = torch.cuda.get_rng_state(self._device)
+        return Capture(args=args, kwargs=dict(kwargs), cpu_rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+
+    def watch_outputs(self, capture: Capture, output: Any) -> None:
+        """Hook every float output that requires grad to keep the gradient the loss sends it."""
+        for i, t in enumerate(flatten_tensors(output)):
+            if t is not None and t.requires_grad and t.is_floating_point():
+                t.register_hook(capture.store_grad(i))
+
+    def gradient(self, model: torch.nn.Module, capture: Capture, choice_for: ChoiceFn, seed: int,
+                 part: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """The flat parameter gradient of one replay (``None`` when the replay cannot run).
+
+        ``part`` = (start, length) replays only those samples of the batch (inputs and
+        output gradients narrowed along ``batch_dim``).
+        """
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params or not capture.out_grads:
+            return None
+        args, kwargs, grads = capture.args, capture.kwargs, capture.out_grads
+        if part is not None:
+            batch = _batch_of(args, kwargs, self._config.batch_dim)
+            if batch is None:
+                return None
+            narrowed = _narrow((args, kwargs, grads), batch, self._config.batch_dim, part)
+            if narrowed is None:
+                return None
+            args, kwargs, grads = narrowed
+        packer = Packer(self._config, self._tracker, choice_for, lambda layer, exc: None)
+        packer.set_parameters(model)
+        packer.begin_step(seed)
+        devices = [self._device.index or 0] if self._device.type == "cuda" else []
+        self._tracker.reset()
+        self._tracker.model_depth = 1
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                torch.set_rng_state(capture.cpu_rng)
+                if capture.cuda_rng is not None:
+                    torch.cuda.set_rng_state(capture.cuda_rng, self._device)
+                with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+                    out = model(*args, **kwargs)
+                outs: list[torch.Tensor] = []
+                cotangents: list[torch.Tensor] = []
+                flat = flatten_tensors(out)
+                for i, g in grads.items():
+                    t = flat[i] if i < len(flat) else None
+                    if t is None or t.shape != g.shape or not t.requires_grad:
+                        return None
+                    outs.append(t)
+                    cotangents.append(g)
+                got = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
+        finally:
+            packer.finish_step()
+            self._tracker.reset()
+        return torch.cat([
+            (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+            for g, p in zip(got, params, strict=True)
+        ])
+
+
+def only(layer: str, bits: float, error_bound: float | None) -> ChoiceFn:
+    """A choice function: ``layer`` at ``bits`` (and error bound), every other layer exact."""
+
+    def choice(name: str) -> tuple[float, float | None]:
+        return (bits, error_bound) if name == layer else (float(KEEP_BITS), None)
+
+    return choice
+
+
+def exact(name: str) -> tuple[float, float | None]:
+    """A choice function that keeps every layer exact."""
+    return float(KEEP_BITS), None
+
+
+def _batch_of(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int | None:
+    for t in flatten_tensors((args, kwargs)):
+        if t is not None and t.dim() > dim:
+            return int(t.shape[dim])
+    return None
+
+
+def _narrow(value: Any, batch: int, dim: int, part: tuple[int, int]) -> Any:
+    """``value`` with every tensor holding the batch narrowed to ``part`` (None if a tensor cannot be)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > dim and value.shape[dim] == batch:
+            return value.narrow(dim, part[0], part[1])
+        return value if value.dim() <= dim else None
+    if isinstance(value, tuple):
+        items = [_narrow(v, batch, dim, part) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value, strict=True)) \
+            else tuple(items)
+    if isinstance(value, list):
+        items = [_narrow(v, batch, dim, part) for v in value]
+        return None if any(i is None and v is not None for i, v in zip(items, value, strict=True)) else items
+    if isinstance(value, dict):
+        out = {k: _narrow(v, batch, dim, part) for k, v in value.items()}
+        return None if any(out[k] is None and value[k] is not None for k in value) else out
+    return value

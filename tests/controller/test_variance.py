@@ -1,0 +1,129 @@
+"""The calibrated variance model against measurement on a small net (NOTE [ Calibration ])."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import memctl
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.replay import Capture, Replayer, exact, only
+from tests.controller.models import CNN
+
+
+def _data(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 16, 16, generator=g)
+    w = torch.randn(256, 10, generator=g)
+    return x, (x.flatten(1) @ w).argmax(1)
+
+
+def _measure(model: nn.Module, config: memctl.ControllerConfig, x: torch.Tensor, y: torch.Tensor,
+             layers: list[str], bits: tuple[int, ...], draws: int) -> dict[tuple[str, int], float]:
+    """Mean over ``draws`` of ‖g(layer at b bits, the rest exact) − g(exact)‖², without any controller."""
+    tracker = ModuleTracker()
+    handles = tracker.attach(model)
+    try:
+        out = model(x)
+        grad_out = torch.autograd.grad(nn.functional.cross_entropy(out, y), out)[0]
+        capture = Capture(args=(x,), kwargs={}, cpu_rng=torch.get_rng_state(), out_grads={0: grad_out})
+        replayer = Replayer(config, tracker, torch.device("cpu"))
+        g0 = replayer.gradient(model, capture, exact, 0)
+        assert g0 is not None
+        result = {}
+        for name in layers:
+            for b in bits:
+                total = 0.0
+                for k in range(draws):
+                    g = replayer.gradient(model, capture, only(name, float(b), None), 1000 + k)
+                    assert g is not None
+                    total += float((g - g0).square().sum())
+                result[(name, b)] = total / draws
+        return result
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_predicted_variance_matches_measurement_within_2x() -> None:
+    torch.manual_seed(0)
+    model = CNN(c=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctl = memctl.Controller(model, opt, bits=4, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                            calibration_fraction=1000.0, calibration_max_replays=200)
+    x, y = _data()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(7):
+        idx = torch.randint(0, len(x), (32,), generator=g)
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    layers = {e["name"]: e for e in ctl.stats()["layers"] if e.get("variance_measured")}
+    config = ctl.config
+    ctl.detach()
+    assert len(layers) >= 8, sorted(layers)
+    for e in layers.values():
+        assert set(e["variance_predicted"]) == set(e["variance_measured"]) == {"1", "2", "4", "8"}
+    idx = torch.randint(0, len(x), (32,), generator=g)
+    truth = _measure(model, config, x[idx], y[idx], sorted(layers), (1, 2, 4, 8), draws=4)
+    scale = max(truth.values())
+    ratios = {}
+    for (name, b), measured in truth.items():
+        predicted = layers[name]["variance_predicted"][str(b)]
+        if measured < 1e-6 * scale and predicted < 1e-6 * scale:
+            continue  # a layer whose compression changes nothing (dropout's mask is lossless)
+        ratios[(name, b)] = predicted / measured
+    assert len(ratios) >= 40
+    # 1 and 2 bits (where the closed form fails worst): within 2x on every layer
+    low = {k: r for k, r in ratios.items() if k[1] <= 2}
+    assert all(0.5 <= r <= 2.0 for r in low.values()), low
+    # 4 and 8 bits: BatchNorm inputs' single draws are heavy-tailed (their error lands in a
+    # few directions), so a few pairs miss 2x; none misses 4x, and nine in ten are within 2x
+    assert all(0.25 <= r <= 4.0 for r in ratios.values()), ratios
+    within = sum(0.5 <= r <= 2.0 for r in ratios.values())
+    assert within >= 0.85 * len(ratios), ratios
+
+
+def test_closed_form_alone_is_far_from_measurement() -> None:
+    """The reason for calibrating: the closed form's layer-to-layer ratios are wrong by large factors."""
+    torch.manual_seed(0)
+    model = CNN(c=8)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    ctl = memctl.Controller(model, opt, bits=4, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                            calibration_fraction=1000.0, calibration_max_replays=200)
+    x, y = _data()
+    for i in range(3):
+        nn.functional.cross_entropy(model(x[32 * i:32 * (i + 1)]), y[32 * i:32 * (i + 1)]).backward()
+        opt.step()
+        opt.zero_grad()
+    factors = [
+        e["variance_measured"]["2"] / e["variance_closed_form"]["2"]
+        for e in ctl.stats()["layers"]
+        if e.get("variance_measured") and e["variance_closed_form"]["2"] > 0
+        and e["variance_measured"]["2"] > 0
+    ]
+    ctl.detach()
+    assert len(factors) >= 6
+    assert max(factors) / min(factors) > 4.0, factors
+    assert all(math.isfinite(f) for f in factors)
+
+
+@pytest.mark.parametrize("fraction", [0.0])
+def test_calibration_off_keeps_the_closed_form(fraction: float) -> None:
+    model = CNN(c=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, min_numel=64,
+                            calibration_fraction=fraction)
+    x, y = _data(64)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    s = ctl.stats()
+    ctl.detach()
+    assert s["calibration"]["probes"] == 0
+    for e in s["layers"]:
+        if "variance_predicted" in e:
+            assert e["variance_measured"] == {}
+            assert e["variance_predicted"] == pytest.approx(e["variance_closed_form"])
