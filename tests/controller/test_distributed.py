@@ -12,6 +12,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 import traceback
 import urllib.request
@@ -272,6 +273,12 @@ def _worker(rank: int, world: int, port: int, api_port: int, outdir: str) -> Non
     finally:
         Path(outdir, f"rank{rank}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
+        # Leave without C++ static destructors: once in a while a native thread still
+        # joinable at interpreter exit aborts the rank ("terminate called without an active
+        # exception") after everything above finished and the results are written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # -- the launch ------------------------------------------------------------------------------
