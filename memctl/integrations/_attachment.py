@@ -26,7 +26,7 @@ from memctl.errors import ConfigError
 if TYPE_CHECKING:
     from memctl.controller.controller import Controller
 
-__all__ = ["Attachment", "scalars"]
+__all__ = ["AttachedCallback", "Attachment", "scalars"]
 
 _log = logging.getLogger("memctl.integrations")
 
@@ -131,3 +131,19 @@ class Attachment:
             return None
         self._logged_step = ctl.step_count
         return scalars(ctl.stats())
+
+
+class AttachedCallback:
+    """What every integration's callback exposes of its :class:`Attachment`."""
+
+    _attachment: Attachment
+
+    @property
+    def controller(self) -> Controller | None:
+        """The controller while the trainer trains, else ``None``."""
+        return self._attachment.controller
+
+    @property
+    def url(self) -> str | None:
+        """The HTTP API's address while the trainer trains with ``serve``."""
+        return self._attachment.url

@@ -21,10 +21,10 @@ import_extra("transformers.trainer_callback", "huggingface", "memctl.integration
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 from memctl.errors import ConfigError  # noqa: E402
-from memctl.integrations._attachment import Attachment, scalars  # noqa: E402
+from memctl.integrations._attachment import AttachedCallback, Attachment, scalars  # noqa: E402
 
 if TYPE_CHECKING:
-    from memctl.controller.controller import Controller
+    pass
 
 __all__ = ["STATE_FILE", "MemctlCallback"]
 
@@ -49,7 +49,7 @@ STATE_FILE = "memctl_controller.pt"
 # callback after this one) and to the entry just appended to ``state.log_history``.
 
 
-class MemctlCallback(TrainerCallback):
+class MemctlCallback(AttachedCallback, TrainerCallback):
     """Attach a :class:`memctl.Controller` to the Trainer's model for the length of ``train``.
 
     Args:
@@ -74,16 +74,6 @@ class MemctlCallback(TrainerCallback):
         self._attachment = Attachment(budget, bits, serve, host, token, options)
         self._log = log
         self._resume_from = resume_from
-
-    @property
-    def controller(self) -> Controller | None:
-        """The controller while training, else ``None``."""
-        return self._attachment.controller
-
-    @property
-    def url(self) -> str | None:
-        """The HTTP API's address while training with ``serve``."""
-        return self._attachment.url
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:

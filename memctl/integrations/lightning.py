@@ -15,10 +15,10 @@ import_extra("lightning.pytorch", "lightning", "memctl.integrations.lightning")
 
 import lightning.pytorch as pl  # noqa: E402  (after the check above, for its one-line error)
 
-from memctl.integrations._attachment import Attachment  # noqa: E402
+from memctl.integrations._attachment import AttachedCallback, Attachment  # noqa: E402
 
 if TYPE_CHECKING:
-    from memctl.controller.controller import Controller
+    pass
 
 __all__ = ["MemctlCallback"]
 
@@ -34,7 +34,7 @@ __all__ = ["MemctlCallback"]
 # logged once per optimizer step.
 
 
-class MemctlCallback(pl.Callback):
+class MemctlCallback(AttachedCallback, pl.Callback):
     """Attach a :class:`memctl.Controller` to the LightningModule for the length of ``fit``.
 
     Args:
@@ -56,16 +56,6 @@ class MemctlCallback(pl.Callback):
         super().__init__()
         self._attachment = Attachment(budget, bits, serve, host, token, options)
         self._log = log
-
-    @property
-    def controller(self) -> Controller | None:
-        """The controller while fitting, else ``None``."""
-        return self._attachment.controller
-
-    @property
-    def url(self) -> str | None:
-        """The HTTP API's address while fitting with ``serve``."""
-        return self._attachment.url
 
     # -- lifecycle --------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
