@@ -4,7 +4,7 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +31,10 @@ from memctl.api.models import (
     HealthResponse,
     HistoryResponse,
     LayersResponse,
+    RanksResponse,
     StatsResponse,
 )
+from memctl.api.ranks import rank_rows
 from memctl.api.view import ControllerView
 from memctl.controller.budget import parse_budget
 from memctl.errors import ConfigError, MemctlError
@@ -146,6 +148,7 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     registry = build_registry(view)
+    registry_all = build_registry(view, all_ranks=True)
     add_pages(app, token_required=token is not None)
 
     cache = _SnapshotCache()
@@ -177,6 +180,17 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
     async def layers() -> Response:
         """Per-layer bits or error bound, raw and packed bytes, sensitivity."""
         return cached_json("layers", render_layers)
+
+    def render_ranks(snap: Mapping[str, Any]) -> bytes:
+        body = {"step": snap["step"], "rank": snap.get("rank"), "world_size": snap.get("world_size", 1),
+                "agreed": snap.get("agreed", True), "ranks": rank_rows(snap)}
+        return RanksResponse.model_validate(body).model_dump_json().encode()
+
+    @app.get("/v1/ranks", dependencies=read_guard, response_model=RanksResponse, tags=["state"])
+    async def ranks() -> Response:
+        """Every rank of the job: step, bits, ratio, bytes, memory, agreement, batch size, budget
+        (gathered at each allocation step; one row without a process group)."""
+        return cached_json("ranks", render_ranks)
 
     @app.get("/v1/budget", response_model=BudgetInfoResponse, tags=["budget"], dependencies=read_guard)
     async def get_budget() -> dict[str, Any]:
@@ -210,10 +224,16 @@ def create_app(view: ControllerView, *, token: str | None = None, max_body_bytes
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}, OPENMETRICS_CONTENT_TYPE: {}},
                               "description": "Prometheus text format, or OpenMetrics when the Accept "
                                              "header asks for application/openmetrics-text"}})
-    async def metrics(request: Request) -> Response:
+    async def metrics(
+        request: Request,
+        ranks: Annotated[Literal["all"] | None, Query(
+            description="'all': add the other ranks' series from the aggregated view (serve it on rank 0)"
+        )] = None,
+    ) -> Response:
         """Prometheus exposition of the controller's state (``memctl_*`` metrics)."""
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        body = cache.get(view.snapshot(), f"metrics:{content_type}", lambda: encoder(registry))
+        chosen = registry_all if ranks == "all" else registry
+        body = cache.get(view.snapshot(), f"metrics:{ranks}:{content_type}", lambda: encoder(chosen))
         return Response(body, headers={"Content-Type": content_type})
 
     return app

@@ -189,10 +189,11 @@ def _layer_metrics(layers: list[Mapping[str, Any]]) -> Iterator[Metric]:
             yield family
 
 
-def build_registry(view: ControllerView) -> CollectorRegistry:
-    """A fresh registry holding one :class:`SnapshotCollector` over ``view``."""
+def build_registry(view: ControllerView, all_ranks: bool = False) -> CollectorRegistry:
+    """A fresh registry holding one :class:`SnapshotCollector` over ``view``; with
+    ``all_ranks`` the other ranks' rows of the aggregated view too (NOTE [ Per-rank series ])."""
     from memctl.api.ranks import RankLabels
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RankLabels(SnapshotCollector(view), view))  # NOTE [ Per-rank series ]
+    registry.register(RankLabels(SnapshotCollector(view), view, all_ranks))  # NOTE [ Per-rank series ]
     return registry

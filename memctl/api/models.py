@@ -19,6 +19,8 @@ __all__ = [
     "LayerModel",
     "LayersResponse",
     "MemoryModel",
+    "RankRow",
+    "RanksResponse",
     "StatsResponse",
 ]
 
@@ -106,6 +108,37 @@ class StatsResponse(_Model):
     rank: int | None = None
     world_size: int = 1
     agreed: bool = True  # every rank applies the same allocation and batch size
+
+
+class RankRow(_Model):
+    """One rank's figures in the aggregated view (NOTE [ Aggregated view ])."""
+
+    rank: int
+    step: int = Field(description="the step at which this row was taken (the last allocation step)")
+    raw_bytes: int
+    packed_bytes: int
+    other_bytes: int = 0
+    ratio: float
+    avg_bits: float
+    batch_size: int | None
+    budget_bytes: int | None
+    activation_budget_bytes: int | None
+    static_bytes: int = 0
+    process_bytes: int | None = Field(None, description="the rank's own device usage, latest sample")
+    device_used_bytes: int | None = Field(None, description="its device's usage by every process")
+    agreed: bool = True
+    fallbacks: int = 0
+    errors: int = 0
+
+
+class RanksResponse(_Model):
+    """Every rank of the job, as the serving rank last gathered them."""
+
+    step: int = Field(description="the serving rank's current step")
+    rank: int | None
+    world_size: int
+    agreed: bool
+    ranks: list[RankRow]
 
 
 class LayersResponse(_Model):

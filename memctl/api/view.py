@@ -34,7 +34,7 @@ __all__ = [
 SNAPSHOT_KEYS = (
     "step", "budget", "budget_bytes", "activation_budget_bytes", "static_bytes", "raw_bytes",
     "packed_bytes", "other_bytes", "ratio", "avg_bits", "batch_size", "fallbacks", "allocation",
-    "events", "layers", "memory", "rank", "world_size", "agreed", "counters", "timings",
+    "events", "layers", "memory", "rank", "world_size", "agreed", "counters", "timings", "ranks",
 )
 #: Keys of ``snapshot()["allocation"]`` when it is not ``None``.
 ALLOCATION_KEYS = ("solver", "status", "time_ms", "objective", "feasible", "step")
@@ -106,6 +106,14 @@ class ControllerView(Protocol):
         - ``world_size`` (int): ranks in the group (1 without one).
         - ``agreed`` (bool): every rank applies the same allocation and batch size
           (NOTE [ Agreement across ranks ] in ``memctl/controller/distributed.py``).
+        - ``ranks`` (list of Mapping): every rank's row of the aggregated view, as of the
+          last allocation step (NOTE [ Aggregated view ] in
+          ``memctl/controller/rank_summary.py``); empty without a process group. Each row:
+          ``rank``, ``step`` (when it was taken), ``raw_bytes``, ``packed_bytes``,
+          ``other_bytes``, ``ratio``, ``avg_bits``, ``batch_size``, ``budget_bytes``,
+          ``activation_budget_bytes``, ``static_bytes``, ``process_bytes``,
+          ``device_used_bytes`` (the rank's latest memory sample), ``agreed``,
+          ``fallbacks``, ``errors``; unknown values are ``None``.
         - ``counters`` (Mapping): ``events`` (Mapping str -> int): events of each ``kind``
           since attach (the ``events`` list keeps only the most recent).
         - ``timings`` (Mapping): cumulative histograms ``encode``, ``decode`` and ``step``
@@ -163,7 +171,7 @@ def empty_snapshot() -> dict[str, Any]:
         "avg_bits": 32.0, "batch_size": None,
         "fallbacks": 0, "allocation": None, "events": [], "layers": [], "memory": None,
         "rank": None, "world_size": 1, "agreed": True,
-        "counters": {"events": {}}, "timings": {},
+        "counters": {"events": {}}, "timings": {}, "ranks": [],
     }
 
 

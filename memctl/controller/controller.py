@@ -44,6 +44,7 @@ from memctl.controller.guard import ConvergenceGuard, LayerNoise
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.probe import run_probe
+from memctl.controller.probe_share import apply_share, replay_module, share_probe
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq
@@ -81,7 +82,10 @@ class Controller:
         device: the device whose memory the budget is about (default: the model's).
         process_group: the ``torch.distributed`` group whose ranks agree on the allocation,
             batch size and budget (default: the default group once initialised; see
-            NOTE [ Agreement across ranks ] in ``distributed.py``).
+            NOTE [ Agreement across ranks ] in ``distributed.py``). Under a group,
+            :meth:`detach` is collective (call it on every rank between the same two
+            optimizer steps) and :meth:`load_state_dict` applies at the next step boundary
+            on every rank (NOTE [ Leaving the agreement ]).
         **overrides: any :class:`ControllerConfig` field, e.g. ``min_numel=1024``.
     """
 
@@ -164,6 +168,8 @@ class Controller:
         self._replayer = Replayer(self.config, self._tracker, self.device)
         self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
         self._capture: Capture | None = None
+        self._leaving = False
+        self._leave_handle: Any = None
         self._await_output = False
         self._replaying = False
         self._guard_fired = False
@@ -200,8 +206,19 @@ class Controller:
                     f"budget {self._budget_text()}")
 
     def detach(self) -> None:
-        """Remove every hook and stop the monitor and server: the model is plain PyTorch again."""
+        """Remove every hook and stop the monitor and server: the model is plain PyTorch again.
+
+        Under a process group this is collective: call it on every rank between the same
+        two optimizer steps. The optimizer's step hook stays for one more step, whose
+        boundary tells the other ranks this one left (NOTE [ Leaving the agreement ]);
+        without an optimizer call :meth:`step` once more instead.
+        """
         self._scope.close()
+        if self._handles and self._ranks is not None and not self._ranks.left:
+            self._leaving = True
+            if self.optimizer is not None:
+                hook = ControllerHook(self._on_leave_step)
+                self._leave_handle = self.optimizer.register_step_post_hook(hook)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -217,6 +234,27 @@ class Controller:
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+    def _on_leave_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        """The boundary of a detached rank: NOTE [ Leaving the agreement ]."""
+        ranks, self._leaving = self._ranks, False
+        if self._leave_handle is not None:
+            self._leave_handle.remove()
+            self._leave_handle = None
+        if ranks is None or ranks.left:
+            return
+        k = self.config.allocation_interval
+        due = self._budget_changed or ranks.budget_pending or self._allocation is None or self._step % k == 0
+        try:
+            ranks.leave(self, due)
+        except Exception as exc:  # NOTE [ Errors at the step boundary ]
+            _log.error("memctl could not tell the other ranks this one left (%s: %s)",
+                       type(exc).__name__, exc)
+        self._event("ranks", f"left the agreement across ranks at step {self._step} (detached)")
+        self._ranks = None
 
     def __enter__(self) -> Controller:
         return self
@@ -323,6 +361,9 @@ class Controller:
         allocation.
         """
         start = self._step
+        if self._leaving:
+            self._leave()
+            return
         try:
             self._step_boundary()
         except Exception as exc:
@@ -374,8 +415,9 @@ class Controller:
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
         ranks = self._ranks
         self._budget_changed |= self._apply_pending() if ranks is None else ranks.apply_budget(self)
-        # Calibration and the guard are per process; under a process group they are off
-        # (_calibration_due), so every rank takes the branches below alike.
+        # Under a process group the probe and the guard run at the allocation step, agreed
+        # across ranks (NOTE [ Calibration across ranks ]), so every rank takes the branches
+        # below alike.
         guarded = self._calibrate_and_guard() if records and ranks is None else False
         solved = False
         due = self._budget_changed or self._allocation is None or guarded or (
@@ -385,16 +427,23 @@ class Controller:
             # (it walks every parameter, gradient and optimizer state tensor).
             self._static_bytes = memory.static_bytes(self.model, self.optimizer, self.device, saved)
         # With ranks, every rank takes this branch alike (NOTE [ Agreement across ranks ]).
-        if (records or ranks is not None) and due and (ranks is None or ranks.reduce_statistics(self)):
+        share = share_probe(self) if ranks is not None and due else None
+        if (records or ranks is not None) and due and (ranks is None or ranks.reduce_statistics(self, share)):
+            if share is not None and share.received:
+                guarded = apply_share(self, share)
             reason = "budget change" if self._budget_changed else "guard" if guarded else "interval"
             self._reallocate(reason=reason)
             self._budget_changed = False
             solved = True
         self._update_batch_size(batch)
-        if ranks is not None:
+        if ranks is not None and not ranks.left:
             ranks.end_step(self, solved)
         self._packer.set_parameters(self.model)
         self._step += 1
+        if ranks is not None and ranks.left:  # NOTE [ Leaving the agreement ]
+            self._ranks = None
+        elif ranks is not None:
+            ranks.apply_loaded(self)
         self._probing = self._wants_gradients()
         self._packer.timings.observe_step(time.perf_counter() - started)
         self._publish()
@@ -410,7 +459,8 @@ class Controller:
         self._guard.observe_loss(value)
 
     def _calibration_due(self) -> bool:
-        if not self._calibration.enabled or self._ranks is not None:
+        # Under FSDP2 a replay would run FSDP's collectives (NOTE [ Calibration across ranks ]).
+        if not self._calibration.enabled or self._packer.fsdp.active:
             return False
         k = self.config.allocation_interval
         return self._step % k == 0 or self._allocation is None
@@ -425,8 +475,9 @@ class Controller:
         if capture is not None and capture.out_grads and layers:
             self._replaying = True
             try:
-                result = run_probe(self.model, self._replayer, capture, self._calibration, layers,
-                                   self._choice_for, self.config, fallback_g2, self._step, self._train_s)
+                result = run_probe(replay_module(self.model), self._replayer, capture, self._calibration,
+                                   layers, self._choice_for, self.config, fallback_g2, self._step,
+                                   self._train_s)
             except Exception as exc:  # NOTE [ Codec fallback ]: calibration never stops training
                 _log.warning("calibration probe failed at step %d (%s: %s); calibration is off from now on",
                              self._step, type(exc).__name__, exc)
@@ -695,7 +746,23 @@ class Controller:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from :meth:`state_dict`: all checked first, then applied at once
-        (NOTE [ Atomic state restore ]); a rejected state leaves the controller unchanged."""
+        (NOTE [ Atomic state restore ]); a rejected state leaves the controller unchanged.
+
+        Under a process group the checked state is applied at the end of the next step
+        boundary, on every rank at once: a state loaded on one rank (rank 0 resuming the
+        job) is sent to the others, and of states loaded on several ranks the lowest
+        rank's wins (NOTE [ Leaving the agreement ]).
+        """
+        checked = self._checked_state(state)
+        if self._ranks is not None and not self._ranks.left:
+            self._ranks.queue_load(_plain(state))
+            self._event("load_state", f"state queued at step {self._step}; applied on every rank at the "
+                        "next step boundary")
+            self._publish()
+            return
+        self._apply_state(checked)
+
+    def _checked_state(self, state: Mapping[str, Any]) -> tuple[Any, Calibration, ConvergenceGuard]:
         valid = validate_state(state)
         calibration, guard = Calibration(self.config), ConvergenceGuard(
             self.config.guard_tolerance, self.config.bit_choices)
@@ -707,6 +774,10 @@ class Controller:
                 f"controller state has an invalid 'calibration' or 'guard' entry ({exc}); "
                 "pass a state_dict() saved by memctl, or drop those keys to start them afresh"
             ) from None
+        return valid, calibration, guard
+
+    def _apply_state(self, checked: tuple[Any, Calibration, ConvergenceGuard]) -> None:
+        valid, calibration, guard = checked
         self._step = valid.step
         self._budget_spec = valid.budget
         self._layers = valid.layers
@@ -778,6 +849,7 @@ class Controller:
             },
             "memory": memory_sample.to_dict() if memory_sample is not None else None,
             **rank_info(self._ranks),
+            "ranks": [dict(r) for r in self._ranks.rows] if self._ranks is not None else [],
             "saved_as_is": {"tensors": self._packer.passed, "fsdp_parameters": self._packer.fsdp_passed},
             "layers": [
                 {

@@ -31,18 +31,50 @@ If the layer tables differ (a rank ran code the others did not), the ranks solve
 own statistics, ``stats()["agreed"]`` is False and an event says so; the batch size and
 budget still agree. With the CPU's Gloo backend the tensors are on the CPU; with NCCL alone
 on the current CUDA device.
+
+The same collectives carry two more things, with no collective added: each rank's row of
+the aggregated view in its slot of the layout check (NOTE [ Aggregated view ] in
+``rank_summary.py``), and the calibration probes' measurements, guard floors and loss
+signal in the SUM and MAX all-reduces (NOTE [ Calibration across ranks ] in
+``probe_share.py``).
+
+NOTE [ Leaving the agreement ]
+The collectives above are matched by order: a rank that stops issuing them (a lone
+``detach()``) or issues different ones (a lone ``load_state_dict``, which moves its step
+and so its allocation steps) would leave the others blocked in an all-reduce until the
+backend's timeout (30 minutes by default). So neither acts on its own:
+
+- ``detach()`` under a group removes every model hook at once (the model is plain PyTorch
+  again), but keeps the optimizer's step post-hook for one more step: at that step's
+  boundary the rank issues the collective the others issue there (the layout check on an
+  allocation step, the per-step exchange otherwise), marked "left" in its own slot, and
+  then removes the hook. When every rank detached, every rank leaves there and nothing
+  is left waiting. When only some did, the others read the mark, record an ``error``
+  event and a warning that say which ranks left and the fix (``detach()`` is collective:
+  call it on every rank between the same two optimizer steps), and go on without
+  agreeing (``agreed`` False) rather than wait; training is not interrupted. Without an
+  optimizer, call :meth:`Controller.step` once more after ``detach()``.
+- ``load_state_dict`` under a group checks the state at once (a bad state raises on the
+  rank that loads it) and queues it; the per-step exchange carries the lowest rank with a
+  queued state, which broadcasts it (``broadcast_object_list``, only on such a step), and
+  every rank applies that same state at the end of the same step boundary. A state loaded
+  on rank 0 alone resumes every rank; states loaded on several ranks resolve to the
+  lowest rank's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 import zlib
 from typing import Any
 
 import torch
 
 from memctl.controller.budget import BudgetSpec, parse_budget
+from memctl.controller.rank_summary import FIELDS, LEFT, decode_rows, encode_row, this_rank
 from memctl.errors import ConfigError
 
 # The functions below read and set the controller's step-boundary state; they take it as
@@ -52,7 +84,9 @@ Controller = Any
 __all__ = ["RankSync", "local_rank", "rank_info", "resolve_group"]
 
 _INF = float("inf")
-_SLOT = 3  # has_change, kind (0: none, 1: bytes, 2: fraction), value
+_SLOT = 3  # has_change (1; -1: this rank leaves), kind (0: none, 1: bytes, 2: fraction), value
+_CHECK = 8  # values of the layout check before the rows of the aggregated view
+_log = logging.getLogger("memctl.controller")
 
 
 def local_rank() -> int:
@@ -117,8 +151,19 @@ class RankSync:
         self._sent = 0
         self._winner: tuple[bool, BudgetSpec | None, int] | None = None
         self._layout: list[str] | None = None
+        self.rows: list[dict[str, Any]] = []
+        """Every rank's row of the aggregated view, from the last allocation step."""
+        self.left = False
+        """Whether this controller stopped agreeing (NOTE [ Leaving the agreement ])."""
+        self._load: dict[str, Any] | None = None
+        self._incoming: tuple[int, Any] | None = None
 
     # -- budget ---------------------------------------------------------------------------
+    @property
+    def budget_pending(self) -> bool:
+        """Whether the last exchange agreed on a budget change (the next boundary applies it)."""
+        return self._winner is not None
+
     def apply_budget(self, ctl: Controller) -> bool:
         """Apply the change the last exchange agreed on (start of the boundary); True if one."""
         winner, self._winner = self._winner, None
@@ -134,11 +179,13 @@ class RankSync:
         return True
 
     # -- statistics ----------------------------------------------------------------------
-    def reduce_statistics(self, ctl: Controller) -> bool:
+    def reduce_statistics(self, ctl: Controller, share: Any = None) -> bool:
         """Replace the statistics that feed the allocation by their reduction over ranks.
 
-        Returns False when no rank saved anything the allocation controls (every rank
-        then skips the re-solve alike).
+        ``share`` (a :class:`~memctl.controller.probe_share.ProbeShare`) travels in the
+        same SUM and MAX all-reduces and receives their result. Returns False when no rank
+        saved anything the allocation controls (every rank then skips the re-solve alike),
+        or when a rank left (then ``left`` is True).
         """
         names = sorted(ctl._layers)
         states = [ctl._layers[n] for n in names]
@@ -147,7 +194,13 @@ class RankSync:
         name_crc = float(zlib.crc32("\0".join(names).encode()))
         count_crc = float(zlib.crc32(counts.encode()))
         head = [float(len(names)), name_crc, count_crc]
-        check = self._all_reduce([*head, *(-v for v in head), -has_layers, has_layers], "min")
+        check = self._all_reduce([*head, *(-v for v in head), -has_layers, has_layers,
+                                  *self._row_slots(encode_row(this_rank(ctl)))], "min")
+        rows, left = decode_rows(check[_CHECK:], self.world_size)
+        if left:
+            self._others_left(ctl, left)
+            return False
+        self.rows = rows
         if not check[6] < 0:  # max(has_layers) == 0: nobody saved controlled tensors
             return False
         if check[:3] != [-v for v in check[3:6]]:
@@ -155,6 +208,8 @@ class RankSync:
             self.agreed = False
             ctl._event("ranks", f"layer tables differ across ranks at step {ctl._step}; "
                        "this rank solves from its own statistics")
+            if share is not None:
+                share.keep_local()
             return True
         self._layout = names
         sums: list[float] = []
@@ -165,7 +220,13 @@ class RankSync:
             maxima += [float(s.mask_bytes), float(s.fixed_bytes), float(s.other_bytes), float(s.batch),
                        float(s.element_size), *(float(n) for n in s.numels)]
         maxima += [float(ctl._static_bytes), float(ctl._totals.get("batch", 0))]
+        n_sums, n_maxima = len(sums), len(maxima)
+        if share is not None:
+            sums += share.sums()
+            maxima += share.maxima()
         total, biggest = self._all_reduce_pair(sums, maxima)
+        if share is not None:
+            share.receive(total[n_sums:], biggest[n_maxima:])
         at = 0
         for i, s in enumerate(states):
             g2, g2_n, rng, rng_n = total[4 * i: 4 * i + 4]
@@ -184,7 +245,8 @@ class RankSync:
     def end_step(self, ctl: Controller, solved: bool) -> None:
         """The per-step MIN exchange: batch size, pending budget changes, the solved bits."""
         batch = ctl._batch_size
-        values = [float(batch) if batch is not None else _INF]
+        values = [float(batch) if batch is not None else _INF,
+                  float(self.rank) if self._load is not None else _INF]
         slots = [_INF] * (self.world_size * _SLOT)
         with ctl._lock:
             self._sent = len(ctl._pending)
@@ -200,11 +262,15 @@ class RankSync:
                 e = s.error_bound if s.error_bound is not None else -1.0
                 values += [b, -b, e, -e]
         out = self._all_reduce(values, "min")
+        left = [r for r in range(self.world_size) if out[2 + r * _SLOT] == -1.0]
+        if left:
+            self._others_left(ctl, left)
+            return
         ctl._batch_size = None if out[0] == _INF else int(out[0])
-        self._winner = _decode_winner(out[1: 1 + len(slots)], self.world_size)
+        self._winner = _decode_winner(out[2: 2 + len(slots)], self.world_size)
         if layout is not None:
             agreed = True
-            base = 1 + len(slots)
+            base = 2 + len(slots)
             for i, name in enumerate(layout):
                 b_min, b_max, e_min, e_max = out[base + 4 * i: base + 4 * i + 4]
                 b_max, e_max = -b_max, -e_max
@@ -218,6 +284,65 @@ class RankSync:
                            "all apply the lowest bits of each layer")
         elif solved:
             self.agreed = False
+        if out[1] != _INF:
+            self._receive_state(ctl, int(out[1]))
+
+    # -- leaving, and loading a state (NOTE [ Leaving the agreement ]) --------------------
+    def queue_load(self, state: dict[str, Any]) -> None:
+        """Queue a checked state: the next exchange decides which rank's every rank applies."""
+        self._load = state
+
+    def _receive_state(self, ctl: Controller, source: int) -> None:
+        holder = [self._load if source == self.rank else None]
+        dist = _dist()
+        start = time.perf_counter()
+        dist.broadcast_object_list(holder, group=self._group, group_src=source)
+        self.collectives += 1
+        self.collective_s += time.perf_counter() - start
+        mine, self._load = self._load, None
+        if mine is not None and source != self.rank:
+            ctl._event("load_state", f"the state loaded on this rank was replaced by rank {source}'s "
+                       "(the lowest rank that loaded one wins)")
+        self._incoming = (source, holder[0])
+
+    def apply_loaded(self, ctl: Controller) -> None:
+        """Apply the state the last exchange broadcast (the end of the boundary, every rank alike)."""
+        incoming, self._incoming = self._incoming, None
+        if incoming is None or not isinstance(incoming[1], dict):
+            return
+        source, state = incoming
+        ctl._apply_state(ctl._checked_state(state))
+        ctl._event("load_state", f"rank {source}'s state applied on all {self.world_size} ranks "
+                   f"at step {ctl._step}")
+
+    def leave(self, ctl: Controller, due: bool) -> None:
+        """Issue the collective the other ranks issue at this boundary, marked "left"."""
+        if due:
+            row = [LEFT] + [_INF] * (len(FIELDS) - 1)
+            self._all_reduce([_INF] * _CHECK + self._row_slots(row), "min")
+        else:
+            slots = [_INF] * (self.world_size * _SLOT)
+            slots[self.rank * _SLOT] = -1.0
+            self._all_reduce([_INF, _INF, *slots], "min")
+        self.left = True
+        self.agreed = False
+
+    def _others_left(self, ctl: Controller, ranks: list[int]) -> None:
+        self.left = True
+        self.agreed = False
+        ctl._errors += 1
+        msg = (f"rank(s) {ranks} of {self.world_size} called Controller.detach() alone and left the "
+               f"agreement at step {ctl._step}; this rank goes on without agreeing with the others on "
+               "the allocation, batch size and budget. Under a process group detach() is collective: "
+               "call it on every rank between the same two optimizer steps")
+        _log.error("memctl: %s", msg)
+        ctl._event("error", msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def _row_slots(self, row: list[float]) -> list[float]:
+        slots = [_INF] * (self.world_size * len(row))
+        slots[self.rank * len(row): (self.rank + 1) * len(row)] = row
+        return slots
 
     # -- collectives ---------------------------------------------------------------------
     def _all_reduce(self, values: list[float], op: str) -> list[float]:

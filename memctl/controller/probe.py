@@ -34,8 +34,13 @@ class ProbeResult:
 
 def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, calibration: Calibration,
               layers: list[LayerState], in_use: ChoiceFn, config: ControllerConfig, fallback_g2: float,
-              step: int, train_s: float) -> ProbeResult:
-    """Replay the captured step: exact, the allocation in use, two half batches, then layers."""
+              step: int, train_s: float, *, record: bool = True) -> ProbeResult:
+    """Replay the captured step: exact, the allocation in use, two half batches, then layers.
+
+    With ``record=False`` the measurements are only returned, not folded into
+    ``calibration`` (under a process group they are reduced across ranks first,
+    NOTE [ Calibration across ranks ]).
+    """
     result = ProbeResult()
     start = time.perf_counter()
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -59,7 +64,8 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             gb = replayer.gradient(model, capture, exact, seed + 3, part=(h, batch - h))
             if ga is not None and gb is not None:
                 result.noise = float((ga - gb).square().sum())
-        calibration.record_reference(result.grad_sq, result.noise)
+        if record:
+            calibration.record_reference(result.grad_sq, result.noise)
         by_name = {s.name: s for s in layers}
         limit = calibration.allowance(train_s, result.replays + 1)
         for name, bits in calibration.schedule(layers, limit):
@@ -71,7 +77,8 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             if g is None:
                 continue
             value = float((g - exact_g).square().sum())
-            calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
+            if record:
+                calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
             result.measured.append((name, bits, value))
     finally:
         with torch.no_grad():
@@ -80,7 +87,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         result.seconds = time.perf_counter() - start
         calibration.spend(train_s, result.seconds)
         calibration.probes += 1
-    if result.added is not None:
+    if record and result.added is not None:
         calibration.added = result.added
         calibration.added_predicted = result.predicted
     return result

@@ -33,6 +33,8 @@ LAUNCH_TIMEOUT_S = 240.0
 BUDGET = 52 * 2**10  # tight enough that the allocation compresses (static memory is ~28 KiB)
 NEW_BUDGET = 49 * 2**10
 OOM_STEP = 4  # rank 1 alone caps its batch size during this step
+CAL_STEPS = 8
+TURN_STEP = 6  # rank 1's loss turns back up from here; step 6 is an allocation step
 
 
 # -- the rank processes ----------------------------------------------------------------------
@@ -124,6 +126,11 @@ def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True, base_port: int =
         out["port"] = server.port
         with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
             out["metrics"] = resp.read().decode()
+        with urllib.request.urlopen(f"{server.url}/metrics?ranks=all", timeout=10) as resp:
+            out["metrics_all"] = resp.read().decode()
+        with urllib.request.urlopen(f"{server.url}/v1/ranks", timeout=10) as resp:
+            out["ranks_view"] = json.loads(resp.read().decode())
+        out["rows_step"] = ctl.stats()["step"]
         server.close()
     ctl.detach()
 
@@ -256,6 +263,134 @@ def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any], fsdp: bool 
     ctl.detach()
 
 
+def _calibrated_run(rank: int, out: dict[str, Any], calibrate: bool = True) -> None:
+    """The default policy (calibrated, guarded) under DDP; rank 1's loss alone turns back up.
+
+    Without calibration only the guard's loss signal can raise bits."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import memctl
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, **_options(calibration_fraction=1.0 if calibrate else 0.0,
+                                                   bit_choices=(1, 2, 4, 8)))
+    grads_before: list[torch.Tensor] = []
+    touched: list[bool] = []
+    opt.register_step_pre_hook(lambda o, a, k: grads_before.__setitem__(
+        slice(None), [p.grad.clone() for p in model.parameters()]))
+    # Registered after the controller's hook: sees .grad after the boundary's replays.
+    opt.register_step_post_hook(lambda o, a, k: touched.append(any(
+        not torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads_before, strict=True))))
+    losses = [10.0, 8.0, 6.0, 4.0, 3.0, 2.0, 9.0, 10.0]
+    steps = []
+    for step in range(CAL_STEPS):
+        x, y = _data(rank, step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        ctl.observe_loss(losses[step] if rank == 1 else 1.0)
+        opt.step()
+        opt.zero_grad()
+        st = ctl.stats()
+        steps.append({
+            "bits": {la["name"]: la["next_bits"] for la in st["layers"]},
+            "floors": {la["name"]: la["floor_bits"] for la in st["layers"]},
+            "measured": {la["name"]: la.get("variance_measured", {}) for la in st["layers"]},
+            "probes": st["calibration"]["probes"],
+            "guard_actions": st["calibration"]["guard_actions"],
+            "agreed": st["agreed"],
+        })
+    st = ctl.stats()
+    out["calibrated" if calibrate else "loss_guard"] = {
+        "steps": steps, "touched": touched,
+        "events": [(e["step"], e["kind"]) for e in st["events"]],
+        "params": [float(p.detach().double().sum()) for p in model.parameters()],
+        "reference": st["calibration"]["grad_variance"],
+    }
+    ctl.detach()
+
+
+def _leave_run(rank: int, out: dict[str, Any]) -> None:
+    """Rank 1 detaches alone after step 1; later both ranks detach together. Training goes on."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    import memctl
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options())
+    rows = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            x, y = _data(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 1 and step == 1:
+                ctl.detach()
+            st = ctl.stats()
+            rows.append({"step": st["step"], "agreed": st["agreed"], "attached": ctl.attached})
+    st = ctl.stats()
+    out["leave"] = {
+        "rows": rows, "errors": st["errors"],
+        "messages": [e["message"] for e in st["events"] if e["kind"] in ("error", "ranks")],
+        "warnings": [str(w.message) for w in caught if "detach" in str(w.message)],
+        "params": [float(p.detach().double().sum()) for p in model.parameters()],
+    }
+    ctl.detach()
+    # Both ranks detach between the same two steps: nobody is left waiting, nothing is reported.
+    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options())
+    for step in range(4):
+        x, y = _data(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            ctl.detach()
+    out["leave_together"] = {"errors": ctl.stats()["errors"],
+                             "kinds": [e["kind"] for e in ctl.stats()["events"]]}
+
+
+def _load_run(rank: int, out: dict[str, Any]) -> None:
+    """Rank 0 alone loads a state it saved earlier: both ranks apply it at the same boundary."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import memctl
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options())
+    saved = None
+    rows = []
+    for step in range(6):
+        if step == 2:
+            saved = ctl.state_dict()
+        if step == 4 and rank == 0:
+            assert saved is not None
+            ctl.load_state_dict(saved)
+        if step == 4 and rank == 1:
+            try:
+                ctl.load_state_dict({"version": 99})
+            except memctl.ConfigError as exc:
+                out["bad_load"] = str(exc)
+        x, y = _data(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        st = ctl.stats()
+        rows.append({"step": st["step"], "budget": st["budget"],
+                     "bits": {la["name"]: la["next_bits"] for la in st["layers"]}})
+    out["load"] = {"rows": rows, "saved_step": saved["step"] if saved else None,
+                   "kinds": [e["kind"] for e in ctl.stats()["events"]]}
+    ctl.detach()
+
+
 def _worker(rank: int, world: int, port: int, api_port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -265,6 +400,10 @@ def _worker(rank: int, world: int, port: int, api_port: int, outdir: str) -> Non
         _ddp_run(rank, out, base_port=api_port)
         _ddp_run(rank, out, sync=False)
         _fsdp_run(rank, out)
+        _calibrated_run(rank, out)
+        _calibrated_run(rank, out, calibrate=False)
+        _leave_run(rank, out)
+        _load_run(rank, out)
         for fsdp in (False, True):
             for reentrant in (False, True):
                 _checkpoint_run(rank, reentrant, out, fsdp=fsdp)
@@ -381,6 +520,98 @@ def test_each_rank_serves_on_its_port_with_rank_labels(ranks: list[dict[str, Any
         assert f'memctl_steps_total{{rank="{rank}"}}' in r["metrics"]
         assert f'memctl_world_size{{rank="{rank}"}} 2.0' in r["metrics"]
         assert f'rank="{1 - rank}"' not in r["metrics"]
+
+
+# -- rank 0's aggregated view ----------------------------------------------------------------
+def test_every_rank_has_a_row_in_the_aggregated_view(ranks: list[dict[str, Any]]) -> None:
+    view = ranks[0]["ranks_view"]
+    assert (view["rank"], view["world_size"], view["agreed"]) == (0, WORLD, True)
+    rows = view["ranks"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    last_allocation = (ranks[0]["rows_step"] - 1) // 2 * 2  # allocation_interval=2
+    for row in rows:
+        assert row["step"] == last_allocation
+        assert row["raw_bytes"] > row["packed_bytes"] > 0
+        assert row["ratio"] == pytest.approx(row["raw_bytes"] / row["packed_bytes"])
+        assert 0 < row["avg_bits"] < 32
+        assert row["budget_bytes"] == NEW_BUDGET
+        assert row["agreed"] is True
+    # Rank 1 capped its batch size during step OOM_STEP: its row shows what it asked for.
+    assert rows[1]["batch_size"] == 5 < rows[0]["batch_size"]
+    # Every rank gathered the same rows (the MIN all-reduce is an all-gather).
+    assert ranks[1]["ranks_view"]["ranks"] == rows
+
+
+def test_metrics_with_ranks_all_carry_every_ranks_series(ranks: list[dict[str, Any]]) -> None:
+    text = ranks[0]["metrics_all"]
+    for rank in range(WORLD):
+        assert f'memctl_avg_bits{{rank="{rank}"}}' in text
+        assert f'memctl_steps_total{{rank="{rank}"}}' in text
+        assert f'memctl_rank_report_step{{rank="{rank}"}}' in text
+    assert text.count("# TYPE memctl_avg_bits gauge") == 1
+    # Without ?ranks=all a rank exports its own series only.
+    assert 'rank="1"' not in ranks[0]["metrics"]
+
+
+# -- calibration and the guard across ranks ---------------------------------------------------
+def test_calibration_probes_and_guard_agree_across_ranks(ranks: list[dict[str, Any]]) -> None:
+    c0, c1 = ranks[0]["calibrated"], ranks[1]["calibrated"]
+    assert c0["steps"] == c1["steps"]  # bits, floors, measured variances, probes, guard actions
+    last = c0["steps"][-1]
+    assert last["probes"] == CAL_STEPS // 2  # one probe per allocation step (interval 2)
+    assert sum(len(m) for m in last["measured"].values()) >= 4
+    assert all(s["agreed"] for s in c0["steps"])
+    assert c0["reference"] is not None and c0["reference"] > 0
+    assert c0["events"] == c1["events"]
+    assert c0["params"] == c1["params"]
+
+
+def test_probe_replays_leave_gradients_and_ddp_alone(ranks: list[dict[str, Any]]) -> None:
+    # .grad after the boundary's replays is what DDP's all-reduce left there.
+    for r in ranks:
+        assert r["calibrated"]["touched"] == [False] * CAL_STEPS
+
+
+def test_a_loss_turning_on_one_rank_raises_bits_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    g0, g1 = ranks[0]["loss_guard"], ranks[1]["loss_guard"]
+    assert [s["guard_actions"] for s in g0["steps"]] == [s["guard_actions"] for s in g1["steps"]]
+    assert g0["steps"][TURN_STEP - 1]["guard_actions"] == 0
+    assert g0["steps"][TURN_STEP]["guard_actions"] == 1
+    assert [e for e in g0["events"] if e[1] == "guard"] == [[TURN_STEP, "guard"]]
+    assert g0["events"] == g1["events"]
+    assert g0["steps"][TURN_STEP]["floors"] == g1["steps"][TURN_STEP]["floors"]
+    assert any(f is not None for f in g0["steps"][TURN_STEP]["floors"].values())
+    assert g0["steps"][-1]["bits"] == g1["steps"][-1]["bits"]
+
+
+# -- detach and load under a process group ----------------------------------------------------
+def test_a_rank_that_detaches_alone_is_reported_and_nobody_hangs(ranks: list[dict[str, Any]]) -> None:
+    stay, gone = ranks[0]["leave"], ranks[1]["leave"]
+    assert [r["attached"] for r in gone["rows"]] == [True] + [False] * 4
+    assert [r["agreed"] for r in stay["rows"]] == [True, True, False, False, False]
+    assert [r["step"] for r in stay["rows"]] == [1, 2, 3, 4, 5]
+    assert stay["errors"] == 1
+    assert len(stay["warnings"]) == 1
+    assert "[1]" in stay["messages"][0] and "collective" in stay["messages"][0]
+    assert "every rank between the same two optimizer steps" in stay["messages"][0]
+    assert gone["errors"] == 0
+    assert stay["params"] == gone["params"]  # DDP training went on in step
+
+
+def test_ranks_that_detach_together_report_nothing(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["leave_together"]["errors"] == 0
+        assert "error" not in r["leave_together"]["kinds"]
+
+
+def test_a_state_loaded_on_rank_0_alone_is_applied_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    l0, l1 = ranks[0]["load"], ranks[1]["load"]
+    assert l0["saved_step"] == 2
+    # Loaded before step 4's forward; both ranks restart from step 2 at that step's boundary.
+    assert [r["step"] for r in l0["rows"]] == [1, 2, 3, 4, 2, 3]
+    assert l0["rows"] == l1["rows"]
+    assert "load_state" in l1["kinds"]
+    assert "no 'step' key" in ranks[1]["bad_load"]
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------
