@@ -139,3 +139,42 @@ def test_page_shows_the_stats_and_changes_the_budget(job: Any, browser: Any) -> 
     problems = [e["message"] for e in browser.get_log("browser")
                 if e["level"] == "SEVERE" and refused not in e["message"]]  # the wrong token's 403
     assert not problems, problems
+
+
+def test_page_shows_a_row_per_rank_when_the_job_has_several(browser: Any) -> None:
+    from memctl.api import StaticView, serve
+
+    rows = [
+        {"rank": r, "step": 40, "raw_bytes": 8000, "packed_bytes": 1000 + 600 * r, "other_bytes": 0,
+         "ratio": 8000 / (1000 + 600 * r), "avg_bits": 4.0 - r, "batch_size": 64 // (r + 1),
+         "budget_bytes": 2**20, "activation_budget_bytes": 2**19, "static_bytes": 2**18,
+         "process_bytes": None if r else 3 * 2**20, "device_used_bytes": None, "agreed": r == 0,
+         "fallbacks": 0, "errors": 0}
+        for r in range(2)
+    ]
+    view = StaticView({"step": 42, "rank": 0, "world_size": 2, "ranks": rows})
+    handle = serve(view)
+    try:
+        browser.get(handle.url + "/dashboard")
+        _wait(browser, lambda d: d.find_elements("css selector", "#ranks tbody tr"), "the rank rows")
+        assert browser.find_element("id", "ranks-panel").is_displayed()
+        shown = browser.find_elements("css selector", "#ranks tbody tr")
+        assert [tr.get_attribute("data-rank") for tr in shown] == ["0", "1"]
+        cells = [[td.get_attribute("data-value") for td in tr.find_elements("tag name", "td")]
+                 for tr in shown]
+        assert cells[1][:3] == ["1", "40", "3"] and cells[1][4] == "1600" and cells[1][5] == ""
+        assert float(cells[0][3]) == pytest.approx(8.0)
+        assert shown[1].get_attribute("data-agreed") == "false"
+        assert "rank 0" in browser.find_element("id", "ranks-note").text
+    finally:
+        handle.close()
+
+    # A single process shows no rank table.
+    single = serve(StaticView({"step": 3}))
+    try:
+        browser.get(single.url + "/dashboard")
+        _wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-rendered-step")
+              == "3", "the page to render")
+        assert not browser.find_element("id", "ranks-panel").is_displayed()
+    finally:
+        single.close()

@@ -124,6 +124,41 @@ function events(list) {
   }
 }
 
+// One row per rank (GET v1/ranks), shown when the job has more than one rank.
+function ranksTable(view) {
+  const rows = (view && view.ranks) || [];
+  const panel = $("ranks-panel");
+  panel.hidden = !view || (view.world_size <= 1 && rows.length <= 1);
+  if (panel.hidden) return;
+  const steps = [...new Set(rows.map((r) => r.step))];
+  $("ranks-note").textContent = "gathered at step " + steps.join(", ") + " (each allocation step) · this server is rank " + view.rank;
+  const body = $("ranks").tBodies[0];
+  body.replaceChildren();
+  for (const r of rows) {
+    const tr = document.createElement("tr");
+    tr.dataset.rank = String(r.rank);
+    tr.dataset.agreed = String(r.agreed);
+    const cells = [
+      [r.rank, String(r.rank)],
+      [r.step, String(r.step)],
+      [r.avg_bits, r.avg_bits.toFixed(2)],
+      [r.ratio, r.ratio === null ? "∞" : r.ratio.toFixed(2) + "×"],
+      [r.packed_bytes, formatBytes(r.packed_bytes)],
+      [r.process_bytes, r.process_bytes === null ? "–" : formatBytes(r.process_bytes)],
+      [r.batch_size, r.batch_size === null ? "–" : String(r.batch_size)],
+      [r.budget_bytes, r.budget_bytes === null ? "none" : formatBytes(r.budget_bytes)],
+      [r.agreed, r.agreed ? "yes" : "no"],
+    ];
+    for (const [value, text] of cells) {
+      const td = document.createElement("td");
+      td.dataset.value = value === null || value === undefined ? "" : String(value);
+      td.textContent = text;
+      tr.append(td);
+    }
+    body.append(tr);
+  }
+}
+
 function render(stats, layers, history) {
   show("step", stats.step, String(stats.step));
   show("ratio", stats.ratio, stats.ratio === null ? "∞" : stats.ratio.toFixed(2) + "×");
@@ -166,8 +201,9 @@ function render(stats, layers, history) {
 
 async function refresh() {
   try {
-    const [stats, layers, history] = await Promise.all([getJSON("v1/stats"), getJSON("v1/layers"), getJSON("v1/history")]);
+    const [stats, layers, history, ranks] = await Promise.all([getJSON("v1/stats"), getJSON("v1/layers"), getJSON("v1/history"), getJSON("v1/ranks")]);
     render(stats, layers, history);
+    ranksTable(ranks);
     $("status").textContent = "live · step " + stats.step;
     $("status").className = "status";
     document.body.dataset.renderedStep = String(stats.step);
