@@ -146,8 +146,14 @@ def _exported_metric_names() -> set[str]:
         "counters": {"events": {"allocation": 1}},
         "timings": {k: {"buckets": [[0.01, 1], [float("inf"), 1]], "sum": 0.005, "count": 1}
                     for k in ("step", "encode", "decode")},
+        "rank": 0, "world_size": 2,
+        "ranks": [{"rank": r, "step": 2, "raw_bytes": 8 * 2**30, "packed_bytes": 2**30, "other_bytes": 0,
+                   "ratio": 8.0, "avg_bits": 4.0, "batch_size": 64, "budget_bytes": 60 * 2**30,
+                   "activation_budget_bytes": 20 * 2**30, "static_bytes": 2**30, "process_bytes": used,
+                   "device_used_bytes": used, "agreed": True, "fallbacks": 0, "errors": 0} for r in (0, 1)],
     })
-    text = generate_latest(build_registry(view)).decode()
+    # What rank 0 exports with ?ranks=all (a superset of a rank's own families).
+    text = generate_latest(build_registry(view, all_ranks=True)).decode()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     return {line.split("{")[0].split(" ")[0] for line in samples}
 

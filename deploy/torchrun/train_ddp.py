@@ -25,8 +25,9 @@ The controllers agree through the default process group (NOTE [ Agreement across
 memctl/controller/distributed.py): the same allocation and ``ctl.batch_size`` on every rank, and
 a budget changed through any rank's API (``PUT /v1/budget``) applied on every rank at the same
 step. Every rank serves its API at ``--port`` + LOCAL_RANK, and its ``/metrics`` label every
-series with its ``rank``. The per-rank batch size stays fixed here (DDP needs every rank to take
-the same number of steps); ``ctl.batch_size`` (what would fit, agreed) is logged.
+series with its ``rank``; rank 0's ``/v1/ranks`` and ``/metrics?ranks=all`` show every rank.
+The per-rank batch size stays fixed here (DDP needs every rank to take the same number of
+steps); ``ctl.batch_size`` (what would fit, agreed) is logged.
 """
 
 from __future__ import annotations
