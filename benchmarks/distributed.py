@@ -6,11 +6,11 @@ Each configuration (``ddp``, ``ddp+memctl``, ``fsdp``, ``fsdp+memctl``) runs in 
 ``--world`` processes (Gloo on the CPU, NCCL with ``--device cuda``, one GPU per rank), started
 with ``torch.multiprocessing``. A rank trains an MLP (``--width`` wide, ``--depth`` hidden
 layers, ReLU) on its own random batches; the first ``--warmup`` steps (Numba compilation,
-FSDP's lazy initialisation) are not timed. memctl runs with its defaults (2 bits on average, no
-budget) and its rank agreement on, so the figures include the per-step all-reduce of
-NOTE [ Agreement across ranks ]. Rank 0 reports the median step time and the peak resident
-memory of its process (``ru_maxrss``, read by the OS, not by memctl; on the CPU the saved
-activations live there).
+FSDP's lazy initialisation) are not timed. memctl runs with its defaults (no budget: the
+adaptive policy, calibrated and guarded) and its rank agreement on, so the figures include
+the per-step all-reduce of NOTE [ Agreement across ranks ]. Rank 0 reports the median step
+time and the peak resident memory of its process (``ru_maxrss``, read by the OS, not by
+memctl; on the CPU the saved activations live there).
 
 The configurations run one after another, in ``--rounds`` rounds whose order rotates, so
 drift of a shared machine hits every configuration alike; compare within a round. Prints

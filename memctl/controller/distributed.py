@@ -8,18 +8,20 @@ once ``init_process_group`` ran, or ``Controller(..., process_group=pg)``) the c
 agree, with small ``all_reduce`` calls of one packed float64 tensor each, never one per
 tensor, issued at the step boundary in the same order on every rank:
 
-- every step, one MIN all-reduce (``world_size * 3 + 1`` values, plus four per layer on
+- every step, one MIN all-reduce (``world_size * 3 + 2`` values, plus four per layer on
   an allocation step) carries each rank's batch size (the smallest wins: a rank that must
-  go lower takes every rank lower), each rank's pending budget change in its own slot (the
+  go lower takes every rank lower), the lowest rank with a queued ``load_state_dict``
+  (NOTE [ Leaving the agreement ]), each rank's pending budget change in its own slot (the
   other slots hold +inf, so the MIN is an all-gather), and after a re-solve each layer's
   bits and error bound with their negations (so MIN yields both the minimum and maximum);
   every rank adopts the minimum bits, which is never more memory than any rank's own answer;
-- at an allocation step, before solving, a MIN all-reduce of eight values checks that the
-  ranks' layer tables agree (count, CRC of the names and of the saved-tensor counts), then
-  one SUM all-reduce (mean ‖∇Y‖² and mean group-range term per layer: the averaged
-  gradient's added variance is the mean of the ranks') and one MAX all-reduce (saved sizes,
-  masks, fixed bytes, batch, static memory: the rank with the most must fit) replace each
-  rank's statistics, so every rank solves the same problem.
+- at an allocation step, before solving, a MIN all-reduce of eight values (plus each
+  rank's row of the aggregated view) checks that the ranks' layer tables agree (count,
+  CRC of the names and of the saved-tensor counts), then one SUM all-reduce (mean ‖∇Y‖²
+  and mean group-range term per layer: the averaged gradient's added variance is the mean
+  of the ranks') and one MAX all-reduce (saved sizes, masks, fixed bytes, batch, static
+  memory: the rank with the most must fit) replace each rank's statistics, so every rank
+  solves the same problem.
 
 A budget change queued on any rank travels in the next step's exchange and is applied at
 the following step boundary on every rank: the same step everywhere, one step later than
