@@ -204,6 +204,10 @@ class Controller:
             self._monitor.start()
         self._event("attach", f"attached to {type(model).__name__} on {self.device}; "
                     f"budget {self._budget_text()}")
+        if self._packer.fsdp.active and self._calibration.enabled:
+            self._event("calibration_off", "calibration probes are off under FSDP2 (a replay would run "
+                        "FSDP's collectives); the closed-form variance model is used "
+                        "(NOTE [ Calibration across ranks ])")
 
     def detach(self) -> None:
         """Remove every hook and stop the monitor and server: the model is plain PyTorch again.

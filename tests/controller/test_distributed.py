@@ -1,5 +1,9 @@
 """Two CPU ranks over Gloo: DDP and FSDP2 training with a controller on each rank.
 
+Also: rank 0's aggregated view (``/v1/ranks``, ``/metrics?ranks=all``), the calibration
+probes and the convergence guard agreed across ranks, and ``detach()`` / ``load_state_dict``
+on one rank alone.
+
 One spawn of two processes runs every scenario in turn (keeping the test's cost to one
 start of two interpreters); each rank writes what it saw to a JSON file, and the tests
 below read those files. The rank processes use the codecs' PyTorch reference
@@ -198,6 +202,8 @@ def _fsdp_run(rank: int, out: dict[str, Any]) -> None:
         "resharded": resharded,
         "bits": [la["bits"] for la in st["layers"] if la["bits"] is not None],
         "agreed": st["agreed"],
+        "probes": st["calibration"]["probes"],
+        "kinds": [e["kind"] for e in st["events"]],
     }
     ctl.detach()
 
@@ -307,6 +313,7 @@ def _calibrated_run(rank: int, out: dict[str, Any], calibrate: bool = True) -> N
         "events": [(e["step"], e["kind"]) for e in st["events"]],
         "params": [float(p.detach().double().sum()) for p in model.parameters()],
         "reference": st["calibration"]["grad_variance"],
+        "collectives": ctl._ranks.collectives if ctl._ranks is not None else None,
     }
     ctl.detach()
 
@@ -566,6 +573,13 @@ def test_calibration_probes_and_guard_agree_across_ranks(ranks: list[dict[str, A
     assert c0["params"] == c1["params"]
 
 
+def test_probes_and_the_view_add_no_collective(ranks: list[dict[str, Any]]) -> None:
+    # One exchange per step, three more at each allocation step (0, 2, 4, 6): the probes'
+    # figures, the guard's floors and the view's rows ride in those.
+    for r in ranks:
+        assert r["calibrated"]["collectives"] == CAL_STEPS + 3 * (CAL_STEPS // 2)
+
+
 def test_probe_replays_leave_gradients_and_ddp_alone(ranks: list[dict[str, Any]]) -> None:
     # .grad after the boundary's replays is what DDP's all-reduce left there.
     for r in ranks:
@@ -624,6 +638,8 @@ def test_fsdp_parameters_are_never_compressed(ranks: list[dict[str, Any]]) -> No
         # The two inner Linears whose input needs a gradient save their weight: 3 steps x 2.
         assert f["saved_as_is"]["fsdp_parameters"] >= 6
         assert f["bits"] and all(b == 8 for b in f["bits"])
+        # No replay under FSDP2 (it would run FSDP's collectives), and the event says so.
+        assert f["probes"] == 0 and "calibration_off" in f["kinds"]
 
 
 def test_fsdp_frees_gathered_parameters_after_forward(ranks: list[dict[str, Any]]) -> None:
