@@ -56,8 +56,10 @@ Controller = Any
 
 def replay_module(model: torch.nn.Module) -> torch.nn.Module:
     """The module a replay runs: the wrapped module under DDP (no DDP collectives), else ``model``."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a torch without torch.distributed has no DDP to unwrap
+        return model
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 

@@ -580,10 +580,12 @@ def test_probes_and_the_view_add_no_collective(ranks: list[dict[str, Any]]) -> N
         assert r["calibrated"]["collectives"] == CAL_STEPS + 3 * (CAL_STEPS // 2)
 
 
-def test_probe_replays_leave_gradients_and_ddp_alone(ranks: list[dict[str, Any]]) -> None:
-    # .grad after the boundary's replays is what DDP's all-reduce left there.
+def test_probe_replays_leave_gradients_and_ddp_training_intact(ranks: list[dict[str, Any]]) -> None:
+    # .grad after the boundary's replays is what DDP's all-reduce left there, and DDP trained on
+    # after four probes (no reducer left expecting a backward) with parameters in sync.
     for r in ranks:
         assert r["calibrated"]["touched"] == [False] * CAL_STEPS
+    assert ranks[0]["calibrated"]["params"] == ranks[1]["calibrated"]["params"]
 
 
 def test_a_loss_turning_on_one_rank_raises_bits_on_every_rank(ranks: list[dict[str, Any]]) -> None:
