@@ -1,0 +1,60 @@
+"""What one rank's probe contributes to the allocation step's reduction (probe_share.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from memctl.controller.probe import ProbeResult
+from memctl.controller.probe_share import ProbeShare, replay_module
+
+NAMES = ["a", "b"]
+CHOICES = (1, 2, 4)
+
+
+def _share(measured: list[tuple[str, int, float]], grad_sq: float | None, floors: dict[str, float],
+           loss: bool = False, disabled: bool = False) -> ProbeShare:
+    result = ProbeResult(measured=measured, grad_sq=grad_sq, noise=None, added=2.0 if grad_sq else None)
+    return ProbeShare(NAMES, CHOICES, result, floors, loss, disabled)
+
+
+def _reduce(shares: list[ProbeShare]) -> None:
+    """Play the SUM and MAX all-reduces over ``shares`` (as RankSync does over ranks)."""
+    sums = [sum(v) for v in zip(*(s.sums() for s in shares), strict=True)]
+    maxima = [max(v) for v in zip(*(s.maxima() for s in shares), strict=True)]
+    for s in shares:
+        s.receive(sums, maxima)
+
+
+def test_measurements_are_averaged_over_the_ranks_that_made_them() -> None:
+    r0 = _share([("a", 2, 1.0), ("b", 1, 10.0)], grad_sq=4.0, floors={})
+    r1 = _share([("a", 2, 3.0), ("a", 4, 0.5), ("b", 1, math.nan)], grad_sq=None, floors={})
+    _reduce([r0, r1])
+    for s in (r0, r1):
+        assert sorted(s.measured) == [("a", 2, 2.0), ("a", 4, 0.5), ("b", 1, 10.0)]
+        assert s.grad_sq == 4.0 and s.noise is None and s.added == 2.0
+        assert s.received
+
+
+def test_floors_loss_and_off_are_agreed_by_max() -> None:
+    r0 = _share([], None, floors={"a": 2.0})
+    r1 = _share([], None, floors={"a": 4.0, "b": 2.0}, loss=True)
+    r2 = _share([], None, floors={}, disabled=True)
+    _reduce([r0, r1, r2])
+    for s in (r0, r1, r2):
+        assert s.floors == {"a": 4.0, "b": 2.0}
+        assert s.loss_turning and s.disabled
+
+
+def test_without_a_probe_a_rank_sends_zeros_and_keeps_its_own_when_alone() -> None:
+    quiet = ProbeShare(NAMES, CHOICES, None, {}, False, False)
+    assert not any(quiet.sums()) and not any(quiet.maxima())
+    own = _share([("b", 4, 0.25)], grad_sq=1.0, floors={"b": 2.0})
+    own.keep_local()
+    assert own.measured == [("b", 4, 0.25)] and own.floors == {"b": 2.0} and own.grad_sq == 1.0
+
+
+def test_replays_run_the_plain_module() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert replay_module(model) is model
