@@ -55,7 +55,9 @@ backend's timeout (30 minutes by default). So neither acts on its own:
   event and a warning that say which ranks left and the fix (``detach()`` is collective:
   call it on every rank between the same two optimizer steps), and go on without
   agreeing (``agreed`` False) rather than wait; training is not interrupted. Without an
-  optimizer, call :meth:`Controller.step` once more after ``detach()``.
+  optimizer, call :meth:`Controller.step` once more after ``detach()``. A rank that
+  detaches and never steps again (it stopped training) still leaves the others waiting,
+  as any stopped rank does (DDP's own gradient all-reduce would wait for it too).
 - ``load_state_dict`` under a group checks the state at once (a bad state raises on the
   rank that loads it) and queues it; the per-step exchange carries the lowest rank with a
   queued state, which broadcasts it (``broadcast_object_list``, only on such a step), and
