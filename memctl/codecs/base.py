@@ -9,6 +9,15 @@ their real sizes, so the byte counts the controller reports are measured, not mo
 Each codec has three implementations (:class:`Impl`) that write byte-identical buffers
 for the same input, arguments and seed.
 Every codec's record format, buffer by buffer: docs/formats.md, "Packed records".
+
+NOTE [ Masks in decode ]
+A codec may apply a ReLU region code while it decodes: its ``decode(p, mask=m)`` then
+returns, byte for byte, ``decode(p).clamp_min_(tiny).mul_(m)`` (``m`` the bit mask of the
+values that must come back positive, a lossless record of a bool tensor; ``tiny`` the
+dtype's smallest normal number), written in one pass. Such a codec says so with a class
+attribute ``decodes_mask = True`` (read through :func:`decodes_mask`); the controller then
+hands it the mask instead of applying it after decoding. A codec without the attribute
+is decoded plainly and the mask applied afterwards, with the same result.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "Codec", "Impl", "Packed"]
+__all__ = ["FLOAT_DTYPES", "Codec", "Impl", "Packed", "decodes_mask"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -105,3 +114,8 @@ class Codec(Protocol):
     ) -> Packed: ...
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor: ...
+
+
+def decodes_mask(codec: object) -> bool:
+    """Whether ``codec``'s ``decode`` takes a ReLU mask (NOTE [ Masks in decode ])."""
+    return getattr(codec, "decodes_mask", False) is True

@@ -9,7 +9,8 @@ step post-hook closes the window and runs the step boundary: fold the step's rec
 into per-layer EMAs, measure static memory, apply a budget queued from any thread,
 re-solve the allocation every ``allocation_interval`` steps or at once after a budget
 change, recompute the batch size and publish an immutable snapshot for readers (the
-HTTP API). Nothing in the hot path waits on a reader.
+HTTP API) when one is wanted (NOTE [ Lazy publication ]). Nothing in the hot path waits
+on a reader.
 The whole step, and what each part reads and writes: docs/design.md, "One training step".
 
 NOTE [ Errors at the step boundary ]
@@ -44,6 +45,7 @@ from memctl.controller.guard import ConvergenceGuard, LayerNoise
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.probe import run_probe
+from memctl.controller.publication import Publication
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq
@@ -156,6 +158,7 @@ class Controller:
         self._server: ServerHandle | None = None
         self._monitor: Sampler | None = None
         self._snapshot: Mapping[str, Any] = MappingProxyType({})
+        self._publication = Publication(self._publish, self.config.allocation_interval)
         group = resolve_group(process_group) if self.config.sync_ranks else None
         self._ranks: RankSync | None = RankSync(group) if group is not None else None
         if self._ranks is not None and self._ranks.world_size < 2:
@@ -393,11 +396,11 @@ class Controller:
         self._update_batch_size(batch)
         if ranks is not None:
             ranks.end_step(self, solved)
-        self._packer.set_parameters(self.model)
+        self._packer.refresh_parameters(self.model, full=due)  # NOTE [ Parameter scan ]
         self._step += 1
         self._probing = self._wants_gradients()
         self._packer.timings.observe_step(time.perf_counter() - started)
-        self._publish()
+        self._publication.boundary()  # NOTE [ Lazy publication ]
         self._last_boundary = time.perf_counter()
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
@@ -601,6 +604,7 @@ class Controller:
 
     def stats(self) -> dict[str, Any]:
         """A plain dict of the last completed step (see the README for every key)."""
+        self._publication.refresh()
         return _plain(self._snapshot)
 
     def abort_step(self) -> None:
@@ -623,6 +627,7 @@ class Controller:
 
     # -- ControllerView (memctl.api.view) ---------------------------------------------
     def snapshot(self) -> Mapping[str, Any]:
+        self._publication.refresh()  # NOTE [ Lazy publication ]
         return self._snapshot
 
     def history(self, limit: int | None = None) -> list[Mapping[str, Any]]:
@@ -736,6 +741,7 @@ class Controller:
     def _event(self, kind: str, message: str) -> None:
         self._events.append({"step": self._step, "time": time.time(), "kind": kind, "message": message})
         self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
+        self._publication.changed = True
 
     def _live_activation_bytes(self) -> int:
         return int(self._totals.get("packed_bytes", 0)) + int(self._totals.get("other_bytes", 0))
@@ -799,6 +805,7 @@ class Controller:
             ],
         }
         self._snapshot = MappingProxyType(snap)
+        self._publication.published()
 
 
 def _effective_bits(state: LayerState, config: ControllerConfig) -> float:

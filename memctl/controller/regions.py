@@ -53,6 +53,17 @@ the original values. The in-place forms (``hardtanh_``, ``clamp_``, ...) save a 
 whose ``CloneBackward0`` edge leads to the input's key. A pending tensor modified in
 place since it was packed is skipped. What is never matched (an output nothing saves
 within the window) keeps today's path: quantised values, no region code.
+
+NOTE [ Walking only newer nodes ]
+The walk runs for every packed tensor, so it must be short. Autograd numbers the nodes
+it creates in one thread in creation order (``_sequence_nr()``), and a node's inputs are
+created before it. The op that saved a pending input consumed that input's node, so it
+was created after it: a node numbered below every pending input's node cannot be that
+op, and neither can any node above it, so the walk does not go past it. Most of a walk
+is then the few nodes created since the last packs. A forward that creates nodes in
+several threads numbers each thread's nodes apart; a node from another thread may then
+be skipped, and its input keeps the codec's values without a region code (the path of
+an unmatched input), never a wrong one.
 """
 
 from __future__ import annotations
@@ -348,12 +359,17 @@ class RegionTracker:
         found: list[tuple[_Pending, Partition]] = []
         frontier: list[Any] = [t.grad_fn]
         seen: set[int] = set()
+        # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
+        # (and so all of its inputs) cannot have consumed one.
+        oldest = min(p.node._sequence_nr() for p in self._pending.values())
         for _ in range(_WALK_DEPTH + 1):
             nxt: list[Any] = []
             for node in frontier:
                 if id(node) in seen or len(seen) >= _WALK_NODES:
                     continue
                 seen.add(id(node))
+                if node._sequence_nr() < oldest:
+                    continue
                 edges = node.next_functions
                 if type(node).__name__ in _SELF_RULES and edges and edges[0][0] is not None:
                     hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))

@@ -149,6 +149,8 @@ class QuantizeCodec:
     """
 
     name = _NAME
+    decodes_mask = True
+    """``decode`` takes ``mask=`` (NOTE [ Masked decode ], NOTE [ Masks in decode ] in ``base.py``)."""
 
     def __init__(self, group_size: int = 256, bits: int = 2) -> None:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
