@@ -76,6 +76,8 @@ from typing import Any
 
 import torch
 
+from memctl.codecs.base import mask_floor
+
 __all__ = ["PENDING", "RELU", "Interval", "Partition", "RegionCode", "RegionTracker", "result_partition"]
 
 PENDING = 2
@@ -97,12 +99,13 @@ class Interval:
     code: int
 
     def contains(self, x: torch.Tensor) -> torch.Tensor:
-        inside = torch.ones_like(x, dtype=torch.bool)
+        inside = None
         if self.lo > -_INF:
-            inside &= (x > self.lo) if self.lo_open else (x >= self.lo)
+            inside = (x > self.lo) if self.lo_open else (x >= self.lo)
         if self.hi < _INF:
-            inside &= (x < self.hi) if self.hi_open else (x <= self.hi)
-        return inside
+            below = (x < self.hi) if self.hi_open else (x <= self.hi)
+            inside = below if inside is None else inside.logical_and_(below)
+        return torch.ones_like(x, dtype=torch.bool) if inside is None else inside
 
     def clamp(self, v: torch.Tensor) -> torch.Tensor:
         """The nearest point of the interval (in ``v``'s dtype) to each value of ``v``."""
@@ -114,11 +117,12 @@ class Interval:
 def _inner(bound: float, direction: float, like: torch.Tensor) -> float:
     """The first value of ``like``'s dtype strictly beyond ``bound`` towards ``direction``.
 
-    Zero steps to the smallest *normal* number, so that a flush-to-zero of subnormals
-    cannot move a value back onto the boundary.
+    Zero steps to ``mask_floor`` (a normal number, so that a flush-to-zero of subnormals
+    cannot move a value back onto the boundary, and large enough that its products stay
+    normal: NOTE [ Mask floor ] in ``memctl/codecs/base.py``).
     """
     if bound == 0.0:
-        return direction * torch.finfo(like.dtype).tiny
+        return direction * mask_floor(like.dtype)
     b = torch.tensor(bound, dtype=like.dtype)
     return float(torch.nextafter(b, torch.tensor(direction * _INF, dtype=like.dtype)))
 
@@ -149,6 +153,14 @@ class Partition:
 
     def planes(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """The code's bit planes (bool tensors), lowest bit first."""
+        if self.bits == 1:  # one plane: where any interval of code 1 holds (ReLU's x > 0)
+            plane = None
+            for iv in self.intervals:
+                if iv.code == 1:
+                    inside = iv.contains(x)
+                    plane = inside if plane is None else plane.logical_or_(inside)
+            yield plane if plane is not None else torch.zeros_like(x, dtype=torch.bool)
+            return
         code = self.codes(x)
         for bit in range(self.bits):
             yield (code >> bit) & 1 == 1

@@ -1,7 +1,7 @@
 """``QuantizeCodec.decode(p, mask=...)``: the ReLU mask applied inside the decode kernel.
 
 NOTE [ Masked decode ]: with a mask the result must equal, bit for bit (NaN as NaN), the unfused
-``decode(p).clamp_min_(tiny).mul_(mask)`` in every implementation (reference, CPU kernel,
+``decode(p).clamp_min_(mask_floor(dtype)).mul_(mask)`` in every implementation (reference, CPU kernel,
 serial and parallel, CUDA kernel in the simulator), for every dtype, with non-finite values.
 """
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memctl.codecs import get
+from memctl.codecs.base import mask_floor
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize.codec import QuantizeCodec
 from memctl.errors import CodecError
@@ -32,7 +33,7 @@ def _relu_like(numel: int, dtype: torch.dtype, seed: int, specials: bool) -> tor
 
 def _unfused(codec: QuantizeCodec, p: object, positive: torch.Tensor, impl: str) -> torch.Tensor:
     out = codec.decode(p, impl=impl)  # type: ignore[arg-type]
-    return out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive.to(out.dtype))
+    return out.clamp_min_(mask_floor(out.dtype)).mul_(positive.to(out.dtype))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from memctl.codecs import get
+from memctl.codecs.base import mask_floor
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer, Saved
@@ -36,7 +37,7 @@ def test_relu_output_unpacks_as_decode_then_mask() -> None:
     out = packer.unpack(saved)
     decoded = get("quantize").decode(saved.data)
     positive = get("lossless").decode(code.planes[0])
-    expected = decoded.clone().clamp_min_(torch.finfo(torch.float32).tiny).mul_(positive)
+    expected = decoded.clone().clamp_min_(mask_floor(torch.float32)).mul_(positive)
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
     # the fused decode is exactly the generic region projection of NOTE [ Derivative regions ]
     projected = RELU.project(decoded, positive.to(torch.uint8))
