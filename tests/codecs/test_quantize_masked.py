@@ -92,3 +92,19 @@ def test_masked_cuda_decode_is_decode_then_mask_bit_for_bit(bits: int, group: in
     positive = x > 0
     fused = codec.decode(p, impl="cuda", mask=get("lossless").encode(positive))
     assert _same_bits(fused, _unfused(codec, p, positive, "reference"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_masked_decode_writes_no_subnormal_value(dtype: torch.dtype, impl: str) -> None:
+    # NOTE [ Mask floor ]: positives that 2 bits round to the group's zero come back at the
+    # floor (2**-64, or float16's smallest normal), never as subnormals, whose products are slow.
+    x = _relu_like(4096, dtype, seed=3, specials=False)
+    codec = QuantizeCodec()
+    out = codec.decode(codec.encode(x, bits=2, seed=2), impl=impl, mask=x > 0)
+    floor = mask_floor(dtype)
+    assert floor == (2.0**-14 if dtype is torch.float16 else 2.0**-64)
+    raised = out[(x > 0) & (out.float() <= floor)]
+    assert raised.numel() > 0 and torch.all(raised.float() == floor)
+    nonzero = out[out != 0].float().abs()
+    assert torch.all(nonzero >= torch.finfo(dtype).tiny)
