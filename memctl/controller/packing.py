@@ -110,7 +110,7 @@ class Saved:
         self.regions = regions
         self.layer = layer
         """The layer whose bits decide this record (None: not under the allocation's control)."""
-        self.shape = like.shape
+        self.shape = tuple(like.shape)  # a plain tuple of ints, which the garbage collector stops tracking
         self.dtype = like.dtype
         self.device = like.device
         # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
