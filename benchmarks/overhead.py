@@ -22,11 +22,17 @@ configuration runs in its own process, on the models of ``benchmarks/training.py
 It prints, per model: saved tensors per step (pack hook calls, and those compressed),
 CPU ms per step of each configuration, and memctl's cost split into "codec kernels" and
 "everything else", per saved tensor (pack and unpack hooks) and per step (the step
-boundary, and the rest: module hooks, whatever is left of the total). The issue's target
-is "fixed per-step overhead ≤ 0.5 ms plus ≤ 20 µs per saved tensor outside the codec
-kernels"; the last column says what 0.5 ms + 20 µs × tensors comes to.
+boundary, and the rest: module hooks, the backward's and optimizer's own work on what
+memctl hands back, whatever is left of the total), and what the garbage collector took.
+The issue's target is "fixed per-step overhead ≤ 0.5 ms plus ≤ 20 µs per saved tensor
+outside the codec kernels"; the summary line compares with 0.5 ms + 20 µs × tensors.
 
-    python benchmarks/overhead.py                       # gru and mlp, 30 measured steps
+CPU time still moves with load on a shared machine (other processes evict the caches and
+share the cores' execution units), by up to ±30% here at load 7-10: every configuration
+runs ``--repeat`` times, interleaved, and the run with the least CPU time is reported.
+"rest" is a difference between processes and carries their noise.
+
+    python benchmarks/overhead.py                       # gru and mlp, 30 measured steps, 3 runs each
     python benchmarks/overhead.py --models gru,mlp,cnn --steps 50
     python benchmarks/overhead.py --profile gru         # cProfile of memctl's steps (one process)
 """
@@ -337,6 +343,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="gru,mlp")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per configuration, the least loaded kept")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", metavar="MODEL", help="cProfile memctl's training steps on MODEL")
     parser.add_argument("--top", type=int, default=40, help="--profile: functions shown")
@@ -357,12 +364,19 @@ def main() -> None:
           f"1 thread (torch and Numba), {args.warmup} warm-up + {args.steps} measured steps, "
           f"thread CPU time, load {os.getloadavg()[0]:.2f}")
     for model in [m for m in args.models.split(",") if m]:
-        runs = {c: _spawn(args, model, c) for c in CONFIGS}
-        failed = [r for r in runs.values() if "error" in r]
+        # Interleaved repeats; each configuration's least-loaded run (smallest CPU time per
+        # step) is reported whole: what other processes add to CPU time (cache and core
+        # sharing) only ever adds, so the minimum is the estimate closest to an idle machine.
+        tries: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
+        for _ in range(args.repeat):
+            for c in CONFIGS:
+                tries[c].append(_spawn(args, model, c))
+        failed = [r for rs in tries.values() for r in rs if "error" in r]
         if failed:
             for r in failed:
                 print(f"{model} {r['config']}: failed: {r['error']}")
             continue
+        runs = {c: min(rs, key=lambda r: float(r["total_ms"])) for c, rs in tries.items()}
         _report(model, runs)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
