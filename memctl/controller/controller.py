@@ -216,6 +216,7 @@ class Controller:
         if self._server is not None:
             self._server.close()
             self._server = None
+            self._publication.serving = False
 
     @property
     def attached(self) -> bool:
@@ -677,6 +678,8 @@ class Controller:
         self._server = serve(self, host=host, port=port, token=token,
                              history_capacity=self.config.monitor_history, **options)
         self._event("serve", f"HTTP API at {self._server.url}")
+        self._publication.serving = True  # NOTE [ Lazy publication ]
+        self._publication.refresh()
         return self._server
 
     # -- state ------------------------------------------------------------------------

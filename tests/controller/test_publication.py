@@ -99,3 +99,28 @@ def test_controller_stats_see_every_step_and_other_threads_the_published_one() -
         assert seen == [1, 3, 5]
     finally:
         ctl.detach()
+
+
+def test_while_serving_every_boundary_publishes() -> None:
+    publication, built = _publication(interval=100)
+    publication.serving = True
+    publication.boundary()
+    publication.boundary()
+    assert built.calls == 2
+
+
+def test_serving_publishes_the_current_step_for_the_server_threads() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, min_numel=64, monitor_interval_s=0, calibration_fraction=0.0)
+    try:
+        _train(ctl, model, opt, 3)  # quiet boundaries after the first: the snapshot is stale
+        ctl.serve(port=0)
+        seen: list[int] = []
+        _in_thread(lambda: seen.append(ctl.snapshot()["step"]))
+        _train(ctl, model, opt, 1)
+        _in_thread(lambda: seen.append(ctl.snapshot()["step"]))
+        assert seen == [3, 4]
+    finally:
+        ctl.detach()
