@@ -7,6 +7,8 @@ process:
 
 - ``plain``: PyTorch as it is.
 - ``memctl``: ``Controller(model, optimizer, bits=2)``, the default policy at 2 bits.
+- ``memctl-default``: ``Controller(model, optimizer)``, the default (adaptive) policy: the
+  fewest bytes within the variance bound (NOTE [ Default policy ]).
 - ``memctl-budget``: the same with a memory budget: the model and optimizer state plus
   ``--budget-fraction`` of the activation memory plain PyTorch held (so the allocation
   chooses the bits per layer within it).
@@ -47,7 +49,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODELS = ("cnn", "transformer", "gru", "mlp")
-METHODS = ("plain", "memctl", "memctl-budget", "checkpoint", "save_on_cpu")
+METHODS = ("plain", "memctl", "memctl-default", "memctl-budget", "checkpoint", "save_on_cpu")
 
 
 # -- models --------------------------------------------------------------------------------
@@ -177,7 +179,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         from memctl import Controller
 
         budget = args.budget_bytes if args.method == "memctl-budget" else None
-        controller = Controller(model, optimizer, bits=2, budget=budget)
+        bits = None if args.method == "memctl-default" else 2
+        controller = Controller(model, optimizer, bits=bits, budget=budget)
     gen = torch.Generator().manual_seed(1)
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []

@@ -13,7 +13,7 @@ _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "training.py"
 
 @pytest.mark.slow
 def test_training_benchmark_runs_each_method_in_its_own_process() -> None:
-    methods = ["plain", "memctl", "memctl-budget", "checkpoint", "save_on_cpu"]
+    methods = ["plain", "memctl", "memctl-default", "memctl-budget", "checkpoint", "save_on_cpu"]
     out = subprocess.run(
         [sys.executable, str(_SCRIPT), "--models", "mlp", "--methods", ",".join(methods),
          "--steps", "1", "--warmup", "1"],

@@ -9,6 +9,28 @@ their real sizes, so the byte counts the controller reports are measured, not mo
 Each codec has three implementations (:class:`Impl`) that write byte-identical buffers
 for the same input, arguments and seed.
 Every codec's record format, buffer by buffer: docs/formats.md, "Packed records".
+
+NOTE [ Masks in decode ]
+A codec may apply a ReLU region code while it decodes: its ``decode(p, mask=m)`` then
+returns, byte for byte, ``decode(p).clamp_min_(floor).mul_(m)`` (``m`` the bit mask of the
+values that must come back positive, a lossless record of a bool tensor; ``floor`` is
+:func:`mask_floor` of the dtype, NOTE [ Mask floor ]), written in one pass. Such a codec says so with a class
+attribute ``decodes_mask = True`` (read through :func:`decodes_mask`); the controller then
+hands it the mask instead of applying it after decoding. A codec without the attribute
+is decoded plainly and the mask applied afterwards, with the same result.
+
+NOTE [ Mask floor ]
+A value that must come back positive but decodes to zero or below (a small positive
+value that 2-bit stochastic rounding sent to its group's zero: at 2 bits, a large share
+of a ReLU output's positives) is raised to a floor. The floor was the dtype's smallest
+normal number (1.2e-38 in float32); the backward multiplies these values by gradients
+(the next layer's weight gradient reads the same record), and every such product is a
+subnormal float, which x86 CPUs compute through a microcode assist tens of times slower
+than a normal multiply: on a 3-layer MLP the backward took 4x as long as plain PyTorch's.
+The floor is therefore ``2**-64`` (5.4e-20), whose products with any value of magnitude
+above ``2**-62`` stay normal, or the dtype's smallest normal number where that is larger
+(float16: ``2**-14``). Against the quantisation step of any group it is nothing, and
+the region test the backward makes (``> 0``, or beyond any boundary at zero) is the same.
 """
 
 from __future__ import annotations
@@ -20,9 +42,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "Codec", "Impl", "Packed"]
+__all__ = ["FLOAT_DTYPES", "MASK_FLOOR", "Codec", "Impl", "Packed", "decodes_mask", "mask_floor"]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+#: Least magnitude of a value kept on the positive (or negative) side of a boundary at zero
+#: (NOTE [ Mask floor ]): products with it stay normal floats.
+MASK_FLOOR = 2.0**-64
 
 
 class Impl(str, enum.Enum):
@@ -105,3 +130,13 @@ class Codec(Protocol):
     ) -> Packed: ...
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor: ...
+
+
+def decodes_mask(codec: object) -> bool:
+    """Whether ``codec``'s ``decode`` takes a ReLU mask (NOTE [ Masks in decode ])."""
+    return getattr(codec, "decodes_mask", False) is True
+
+
+def mask_floor(dtype: torch.dtype) -> float:
+    """The least positive value a masked decode or a region projection writes (NOTE [ Mask floor ])."""
+    return max(MASK_FLOOR, float(torch.finfo(dtype).tiny))

@@ -9,7 +9,8 @@ step post-hook closes the window and runs the step boundary: fold the step's rec
 into per-layer EMAs, measure static memory, apply a budget queued from any thread,
 re-solve the allocation every ``allocation_interval`` steps or at once after a budget
 change, recompute the batch size and publish an immutable snapshot for readers (the
-HTTP API). Nothing in the hot path waits on a reader.
+HTTP API) when one is wanted (NOTE [ Lazy publication ]). Nothing in the hot path waits
+on a reader.
 The whole step, and what each part reads and writes: docs/design.md, "One training step".
 
 NOTE [ Errors at the step boundary ]
@@ -45,6 +46,7 @@ from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
 from memctl.controller.probe import run_probe
 from memctl.controller.probe_share import apply_share, replay_module, share_probe
+from memctl.controller.publication import Publication
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq
@@ -160,6 +162,7 @@ class Controller:
         self._server: ServerHandle | None = None
         self._monitor: Sampler | None = None
         self._snapshot: Mapping[str, Any] = MappingProxyType({})
+        self._publication = Publication(self._publish, self.config.allocation_interval)
         group = resolve_group(process_group) if self.config.sync_ranks else None
         self._ranks: RankSync | None = RankSync(group) if group is not None else None
         if self._ranks is not None and self._ranks.world_size < 2:
@@ -234,6 +237,7 @@ class Controller:
         if self._server is not None:
             self._server.close()
             self._server = None
+            self._publication.serving = False
 
     @property
     def attached(self) -> bool:
@@ -442,7 +446,7 @@ class Controller:
         self._update_batch_size(batch)
         if ranks is not None and not ranks.left:
             ranks.end_step(self, solved)
-        self._packer.set_parameters(self.model)
+        self._packer.refresh_parameters(self.model, full=due)  # NOTE [ Parameter scan ]
         self._step += 1
         if ranks is not None and ranks.left:  # NOTE [ Leaving the agreement ]
             self._ranks = None
@@ -450,7 +454,7 @@ class Controller:
             ranks.apply_loaded(self)
         self._probing = self._wants_gradients()
         self._packer.timings.observe_step(time.perf_counter() - started)
-        self._publish()
+        self._publication.boundary()  # NOTE [ Lazy publication ]
         self._last_boundary = time.perf_counter()
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
@@ -656,6 +660,7 @@ class Controller:
 
     def stats(self) -> dict[str, Any]:
         """A plain dict of the last completed step (see the README for every key)."""
+        self._publication.refresh()
         return _plain(self._snapshot)
 
     def abort_step(self) -> None:
@@ -678,6 +683,7 @@ class Controller:
 
     # -- ControllerView (memctl.api.view) ---------------------------------------------
     def snapshot(self) -> Mapping[str, Any]:
+        self._publication.refresh()  # NOTE [ Lazy publication ]
         return self._snapshot
 
     def history(self, limit: int | None = None) -> list[Mapping[str, Any]]:
@@ -727,6 +733,8 @@ class Controller:
         self._server = serve(self, host=host, port=port, token=token,
                              history_capacity=self.config.monitor_history, **options)
         self._event("serve", f"HTTP API at {self._server.url}")
+        self._publication.serving = True  # NOTE [ Lazy publication ]
+        self._publication.refresh()
         return self._server
 
     # -- state ------------------------------------------------------------------------
@@ -811,6 +819,7 @@ class Controller:
     def _event(self, kind: str, message: str) -> None:
         self._events.append({"step": self._step, "time": time.time(), "kind": kind, "message": message})
         self._event_counts[kind] = self._event_counts.get(kind, 0) + 1
+        self._publication.changed = True
 
     def _live_activation_bytes(self) -> int:
         return int(self._totals.get("packed_bytes", 0)) + int(self._totals.get("other_bytes", 0))
@@ -875,6 +884,7 @@ class Controller:
             ],
         }
         self._snapshot = MappingProxyType(snap)
+        self._publication.published()
 
 
 def _effective_bits(state: LayerState, config: ControllerConfig) -> float:

@@ -30,12 +30,15 @@ __all__ = ["MicroBatch", "Peak", "peak_basis"]
 class MicroBatch:
     """What one forward of the model saved (see NOTE [ Micro-batches ])."""
 
-    __slots__ = ("overlaps", "records", "refs", "samples", "used")
+    __slots__ = ("_discard", "overlaps", "records", "refs", "samples", "used")
 
     def __init__(self, overlaps: list[MicroBatch] | None = None) -> None:
         self.records: dict[str, LayerStep] = {}
         self.samples = 0
         self.refs: set[weakref.ref[Any]] = set()
+        # One callback object for all of this micro-batch's references, not one bound method
+        # per saved record (each would stay alive, and be traversed by the collector, all step).
+        self._discard = self.refs.discard
         self.used = False
         self.overlaps: list[MicroBatch] = overlaps or []
 
@@ -50,7 +53,7 @@ class MicroBatch:
 
     def track(self, saved: object) -> None:
         """Count ``saved`` as live until autograd (or the user) drops it."""
-        self.refs.add(weakref.ref(saved, self.refs.discard))
+        self.refs.add(weakref.ref(saved, self._discard))
 
     def nbytes(self) -> int:
         return sum(r.packed_bytes + r.other_bytes for r in self.records.values())

@@ -35,9 +35,10 @@ puts every value back inside its true region: for ReLU, every positive value abo
 and every zero at exactly zero. The same record serves the next layer, which reads the
 quantised values (ActNN keeps such a mask too). The code's bytes count as the layer's
 ``mask_bytes``, so the allocation prices them.
-For a ReLU output compressed by the quantize codec, the code is applied inside the codec's
-decode kernel (``decode(p, mask=...)``, NOTE [ Masked decode ]), so the final tensor is
-written in one pass; other codes are applied after decoding (the projections commute: each
+For a ReLU output compressed by a codec that applies masks in its decode (the quantize
+codec: NOTE [ Masks in decode ] in ``memctl/codecs/base.py``, NOTE [ Masked decode ]), the
+code is applied inside the codec's decode kernel (``decode(p, mask=...)``), so the final
+tensor is written in one pass; other codes are applied after decoding (the projections commute: each
 region holds the true value, so clamping into one never leaves another).
 
 NOTE [ Distributed parameters and recomputation ]
@@ -50,6 +51,14 @@ NOTE [ Distributed parameters and recomputation ]
   push their own hooks above these and keep their tensors themselves.
 ``passed`` counts tensors saved as they are (parameters and recomputation) and
 ``fsdp_passed`` the FSDP2 parameters among them.
+
+NOTE [ Parameter scan ]
+Walking ``model.parameters()`` and ``model.buffers()`` and reading every storage costs
+about a microsecond per tensor, every step. The step boundary therefore walks the model
+only at allocation steps (and after an error); in other steps it compares the data
+pointers of the tensors found by the last walk with theirs then, and walks again when
+one moved (``model.to(...)``, ``p.data = ...``, a replaced buffer). A parameter newly
+registered on the model between two walks is recognised from the next allocation step.
 
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
@@ -68,7 +77,7 @@ from typing import Any
 
 import torch
 
-from memctl.codecs.base import Codec, Impl, Packed
+from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
@@ -101,7 +110,7 @@ class Saved:
         self.regions = regions
         self.layer = layer
         """The layer whose bits decide this record (None: not under the allocation's control)."""
-        self.shape = like.shape
+        self.shape = tuple(like.shape)  # a plain tuple of ints, which the garbage collector stops tracking
         self.dtype = like.dtype
         self.device = like.device
         # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
@@ -126,6 +135,8 @@ class Packer:
         self._on_fallback = on_fallback
         self._codecs: dict[str, Codec] = {}
         self._param_ptrs: frozenset[int] = frozenset()
+        self._param_tensors: list[torch.Tensor] = []
+        self._param_data: list[int] = []
         self._seen: dict[_DedupKey, tuple[weakref.ref[torch.Tensor], weakref.ref[Saved]]] = {}
         self._micro = MicroBatch()
         self._done: list[MicroBatch] = []
@@ -148,10 +159,20 @@ class Packer:
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
         """Remember the storages of the model's parameters and buffers."""
-        ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
-        ptrs |= {local_tensor(b).untyped_storage().data_ptr() for b in model.buffers()}
-        self._param_ptrs = frozenset(ptrs)
+        tensors = [local_tensor(p) for p in model.parameters()]
+        tensors += [local_tensor(b) for b in model.buffers()]
+        self._param_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        self._param_tensors = tensors
+        self._param_data = [t.data_ptr() for t in tensors]
         if self.fsdp.active:
+            self.fsdp.refresh()
+
+    def refresh_parameters(self, model: torch.nn.Module, full: bool) -> None:
+        """At a step boundary: :meth:`set_parameters` when ``full`` or when a known
+        parameter's or buffer's data moved (NOTE [ Parameter scan ])."""
+        if full or [t.data_ptr() for t in self._param_tensors] != self._param_data:
+            self.set_parameters(model)
+        elif self.fsdp.active:
             self.fsdp.refresh()
 
     def begin_step(self, step: int) -> None:
@@ -270,7 +291,7 @@ class Packer:
             return data
         start = time.perf_counter()
         codec: Any = self._codec(data.codec)
-        fused = _relu_code(saved) if data.codec == "quantize" else None  # NOTE [ ReLU masks ]
+        fused = _relu_code(saved) if decodes_mask(codec) else None  # NOTE [ ReLU masks ]
         out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
@@ -454,6 +475,7 @@ class _WithImpl:
         self._inner = codec
         self._impl = impl
         self.name = codec.name
+        self.decodes_mask = decodes_mask(codec)
 
     def encode(self, t: torch.Tensor, *, bits: int | None = None, error_bound: float | None = None,
                seed: int = 0, impl: Impl | str | None = None) -> Packed:

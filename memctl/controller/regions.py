@@ -53,6 +53,17 @@ the original values. The in-place forms (``hardtanh_``, ``clamp_``, ...) save a 
 whose ``CloneBackward0`` edge leads to the input's key. A pending tensor modified in
 place since it was packed is skipped. What is never matched (an output nothing saves
 within the window) keeps today's path: quantised values, no region code.
+
+NOTE [ Walking only newer nodes ]
+The walk runs for every packed tensor, so it must be short. Autograd numbers the nodes
+it creates in one thread in creation order (``_sequence_nr()``), and a node's inputs are
+created before it. The op that saved a pending input consumed that input's node, so it
+was created after it: a node numbered below every pending input's node cannot be that
+op, and neither can any node above it, so the walk does not go past it. Most of a walk
+is then the few nodes created since the last packs. A forward that creates nodes in
+several threads numbers each thread's nodes apart; a node from another thread may then
+be skipped, and its input keeps the codec's values without a region code (the path of
+an unmatched input), never a wrong one.
 """
 
 from __future__ import annotations
@@ -64,6 +75,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from memctl.codecs.base import mask_floor
 
 __all__ = ["PENDING", "RELU", "Interval", "Partition", "RegionCode", "RegionTracker", "result_partition"]
 
@@ -86,12 +99,13 @@ class Interval:
     code: int
 
     def contains(self, x: torch.Tensor) -> torch.Tensor:
-        inside = torch.ones_like(x, dtype=torch.bool)
+        inside = None
         if self.lo > -_INF:
-            inside &= (x > self.lo) if self.lo_open else (x >= self.lo)
+            inside = (x > self.lo) if self.lo_open else (x >= self.lo)
         if self.hi < _INF:
-            inside &= (x < self.hi) if self.hi_open else (x <= self.hi)
-        return inside
+            below = (x < self.hi) if self.hi_open else (x <= self.hi)
+            inside = below if inside is None else inside.logical_and_(below)
+        return torch.ones_like(x, dtype=torch.bool) if inside is None else inside
 
     def clamp(self, v: torch.Tensor) -> torch.Tensor:
         """The nearest point of the interval (in ``v``'s dtype) to each value of ``v``."""
@@ -103,11 +117,12 @@ class Interval:
 def _inner(bound: float, direction: float, like: torch.Tensor) -> float:
     """The first value of ``like``'s dtype strictly beyond ``bound`` towards ``direction``.
 
-    Zero steps to the smallest *normal* number, so that a flush-to-zero of subnormals
-    cannot move a value back onto the boundary.
+    Zero steps to ``mask_floor`` (a normal number, so that a flush-to-zero of subnormals
+    cannot move a value back onto the boundary, and large enough that its products stay
+    normal: NOTE [ Mask floor ] in ``memctl/codecs/base.py``).
     """
     if bound == 0.0:
-        return direction * torch.finfo(like.dtype).tiny
+        return direction * mask_floor(like.dtype)
     b = torch.tensor(bound, dtype=like.dtype)
     return float(torch.nextafter(b, torch.tensor(direction * _INF, dtype=like.dtype)))
 
@@ -138,6 +153,14 @@ class Partition:
 
     def planes(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """The code's bit planes (bool tensors), lowest bit first."""
+        if self.bits == 1:  # one plane: where any interval of code 1 holds (ReLU's x > 0)
+            plane = None
+            for iv in self.intervals:
+                if iv.code == 1:
+                    inside = iv.contains(x)
+                    plane = inside if plane is None else plane.logical_or_(inside)
+            yield plane if plane is not None else torch.zeros_like(x, dtype=torch.bool)
+            return
         code = self.codes(x)
         for bit in range(self.bits):
             yield (code >> bit) & 1 == 1
@@ -348,12 +371,17 @@ class RegionTracker:
         found: list[tuple[_Pending, Partition]] = []
         frontier: list[Any] = [t.grad_fn]
         seen: set[int] = set()
+        # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
+        # (and so all of its inputs) cannot have consumed one.
+        oldest = min(p.node._sequence_nr() for p in self._pending.values())
         for _ in range(_WALK_DEPTH + 1):
             nxt: list[Any] = []
             for node in frontier:
                 if id(node) in seen or len(seen) >= _WALK_NODES:
                     continue
                 seen.add(id(node))
+                if node._sequence_nr() < oldest:
+                    continue
                 edges = node.next_functions
                 if type(node).__name__ in _SELF_RULES and edges and edges[0][0] is not None:
                     hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))

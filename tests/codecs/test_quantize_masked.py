@@ -1,7 +1,7 @@
 """``QuantizeCodec.decode(p, mask=...)``: the ReLU mask applied inside the decode kernel.
 
 NOTE [ Masked decode ]: with a mask the result must equal, bit for bit (NaN as NaN), the unfused
-``decode(p).clamp_min_(tiny).mul_(mask)`` in every implementation (reference, CPU kernel,
+``decode(p).clamp_min_(mask_floor(dtype)).mul_(mask)`` in every implementation (reference, CPU kernel,
 serial and parallel, CUDA kernel in the simulator), for every dtype, with non-finite values.
 """
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memctl.codecs import get
+from memctl.codecs.base import mask_floor
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize.codec import QuantizeCodec
 from memctl.errors import CodecError
@@ -32,7 +33,7 @@ def _relu_like(numel: int, dtype: torch.dtype, seed: int, specials: bool) -> tor
 
 def _unfused(codec: QuantizeCodec, p: object, positive: torch.Tensor, impl: str) -> torch.Tensor:
     out = codec.decode(p, impl=impl)  # type: ignore[arg-type]
-    return out.clamp_min_(torch.finfo(out.dtype).tiny).mul_(positive.to(out.dtype))
+    return out.clamp_min_(mask_floor(out.dtype)).mul_(positive.to(out.dtype))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -91,3 +92,19 @@ def test_masked_cuda_decode_is_decode_then_mask_bit_for_bit(bits: int, group: in
     positive = x > 0
     fused = codec.decode(p, impl="cuda", mask=get("lossless").encode(positive))
     assert _same_bits(fused, _unfused(codec, p, positive, "reference"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_masked_decode_writes_no_subnormal_value(dtype: torch.dtype, impl: str) -> None:
+    # NOTE [ Mask floor ]: positives that 2 bits round to the group's zero come back at the
+    # floor (2**-64, or float16's smallest normal), never as subnormals, whose products are slow.
+    x = _relu_like(4096, dtype, seed=3, specials=False)
+    codec = QuantizeCodec()
+    out = codec.decode(codec.encode(x, bits=2, seed=2), impl=impl, mask=x > 0)
+    floor = mask_floor(dtype)
+    assert floor == (2.0**-14 if dtype is torch.float16 else 2.0**-64)
+    raised = out[(x > 0) & (out.float() <= floor)]
+    assert raised.numel() > 0 and torch.all(raised.float() == floor)
+    nonzero = out[out != 0].float().abs()
+    assert torch.all(nonzero >= torch.finfo(dtype).tiny)

@@ -50,12 +50,13 @@ The three codecs' formats side by side: docs/formats.md, "quantize".
 NOTE [ Masked decode ]
 ``decode(p, mask=m)`` takes the bit mask of the values that must come back positive (a
 ReLU output's ``t > 0``, packed as the lossless codec packs bools) and returns, byte for
-byte, ``decode(p).clamp_min_(tiny).mul_(m)`` with ``tiny`` the dtype's smallest normal
-number: values off the mask are +0.0, values on it at least ``tiny``. The kernels (and the
-reference) apply it per group right after expanding the codes, while the group is in L1,
-so the output is written once instead of being decoded, then clamped, then multiplied.
-Raising to ``tiny`` in float32 before the cast to float16/bfloat16 gives the same bits as
-after it, because ``tiny`` is exact in both and rounding is monotonic. Non-finite values
+byte, ``decode(p).clamp_min_(floor).mul_(m)`` with ``floor`` = ``mask_floor(dtype)``
+(``2**-64``, or the dtype's smallest normal number where larger: NOTE [ Mask floor ] in
+``memctl/codecs/base.py``): values off the mask are +0.0, values on it at least ``floor``.
+The kernels (and the reference) apply it per group right after expanding the codes, while
+the group is in L1, so the output is written once instead of being decoded, then clamped,
+then multiplied. Raising to ``floor`` in float32 before the cast to float16/bfloat16 gives
+the same bits as after it, because ``floor`` is exact in both and rounding is monotonic. Non-finite values
 (the exception list) are written back after the kernel and masked the same way.
 """
 
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 
 from memctl.codecs import _backend, _rng
-from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed
+from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed, mask_floor
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference
 from memctl.errors import CodecError, ConfigError
@@ -149,6 +150,8 @@ class QuantizeCodec:
     """
 
     name = _NAME
+    decodes_mask = True
+    """``decode`` takes ``mask=`` (NOTE [ Masked decode ], NOTE [ Masks in decode ] in ``base.py``)."""
 
     def __init__(self, group_size: int = 256, bits: int = 2) -> None:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
@@ -231,15 +234,15 @@ class QuantizeCodec:
         ``mask`` (NOTE [ Masked decode ]): the values that must come back positive, as a
         lossless record of a bool tensor (what ``codecs.get('lossless').encode(t > 0)``
         writes) or a bool tensor, with as many values as ``p``. The result is then, byte
-        for byte, ``decode(p).clamp_min_(tiny).mul_(mask)`` (``tiny`` the dtype's smallest
-        normal number), written in one pass by the decode kernel.
+        for byte, ``decode(p).clamp_min_(mask_floor(p.dtype)).mul_(mask)`` (NOTE [ Mask floor ]),
+        written in one pass by the decode kernel.
         """
         bits, group = _record_params(p)
         payload, meta = p.buffers["payload"], p.buffers["meta"]
         n = p.numel
         chosen = _backend.resolve_impl(impl, p.device)
         packed_mask = None if mask is None else _mask_bits(mask, p)
-        floor = float(torch.finfo(p.dtype).tiny)
+        floor = mask_floor(p.dtype)
         flat = self._run_decode(chosen, payload, meta, bits, group, n, packed_mask, floor)
         out = flat.to(p.dtype)
         exc_index = p.buffers["exc_index"]

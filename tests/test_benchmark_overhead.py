@@ -1,0 +1,26 @@
+"""Smoke run of ``benchmarks/overhead.py`` on the MLP: each configuration runs and the table prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "overhead.py"
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_prints_the_per_phase_split() -> None:
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", "mlp", "--steps", "2", "--warmup", "1", "--repeat", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed" not in out.stdout, out.stdout
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("mlp: 11 saved tensors per step") for line in lines), out.stdout
+    for phase in ("pack hook", "unpack hook", "step boundary", "memctl - plain"):
+        assert any(line.strip().startswith(phase) for line in lines), (phase, out.stdout)
+    assert any("outside the codec kernels:" in line for line in lines), out.stdout
