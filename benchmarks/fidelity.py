@@ -296,7 +296,11 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             static = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
             static += sum(b.numel() * b.element_size() for b in model.buffers())
             options["budget"] = int((static + plain_saved / 8) / 0.95)
+        if config == "varcheck":
+            options.update(calibration_fraction=1000.0, allocation_interval=5)
         ctl = memctl.Controller(model, opt, **options)
+        if config == "varcheck":
+            result["predictions"] = _watch_predictions(ctl)
         pack = ctl._packer.pack
 
         def counting_pack(t: torch.Tensor) -> Any:
@@ -360,6 +364,63 @@ def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor
     return _mean(total)
 
 
+def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
+    """For the ``varcheck`` configuration: each layer measurement the calibration makes, with
+    what the variance model predicted for that (layer, bits) just before it (out of sample).
+
+    ``kind`` says what the prediction stood on: ``repeat`` (an earlier measurement of the
+    same pair, moved by the closed form's drift), ``other_width`` (the layer measured at
+    another width), ``unmeasured`` (the per-width factor fitted to uniform replays, or the
+    largest measured factor).
+    """
+    from memctl.controller.stats import median_grad_sq
+
+    cal = ctl._calibration
+    record = cal.record
+    seen: list[dict[str, Any]] = []
+
+    def watched(layer: str, bits: int, value: float, predicted: float, step: int) -> None:
+        states = [s for s in ctl._layers.values() if s.numels]
+        state = ctl._layers.get(layer)
+        if state is not None:
+            mine = cal.measured.get(layer, {})
+            kind = "repeat" if bits in mine else ("other_width" if mine else "unmeasured")
+            before = cal.estimate(state, median_grad_sq(states), bits)
+            seen.append({"layer": layer, "bits": bits, "measured": value, "predicted": before,
+                         "closed_form": predicted, "kind": kind, "step": step})
+        record(layer, bits, value, predicted, step)
+
+    cal.record = watched
+    return seen
+
+
+def summarise_predictions(model: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The ``varcheck`` row: out-of-sample predicted vs measured added variance, by kind."""
+    preds = rows.get("varcheck", {}).get("predictions")
+    if not preds:
+        return []
+    parts = []
+    for kind in ("repeat", "other_width", "unmeasured", "closed_form"):
+        key = "closed_form" if kind == "closed_form" else "predicted"
+        chosen = preds if kind == "closed_form" else [p for p in preds if p["kind"] == kind]
+        scored = [(_factor(p[key], p["measured"]), p) for p in chosen]
+        if not scored:
+            continue
+        within = sum(1 for f, _ in scored if f <= 2.0)
+        worst_f, worst = max(scored, key=lambda fp: fp[0])
+        parts.append(f"{kind} {within}/{len(scored)} within 2x "
+                     f"(worst {worst_f:.3g}x {worst['layer']}@{worst['bits']}b)")
+    by_bits: dict[int, str] = {}
+    for b in sorted({p["bits"] for p in preds}):
+        mine = [p for p in preds if p["bits"] == b and p["kind"] != "unmeasured"]
+        if mine:
+            ok = sum(1 for p in mine if _factor(p["predicted"], p["measured"]) <= 2.0)
+            by_bits[b] = f"{ok}/{len(mine)}"
+    per_bits = ", ".join(f"{b}b {v}" for b, v in by_bits.items())
+    return [f"  varcheck {model}: {len(preds)} measurements, predicted before each: " + "; ".join(parts)
+            + (f"; measured-layer pairs within 2x by width: {per_bits}" if per_bits else "")]
+
+
 def variance_pairs(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per measured (layer, bits): predicted, measured, closed form and a held-out prediction.
 
@@ -401,7 +462,7 @@ def _factor(a: float | None, b: float) -> float:
 def summarise_variance(model: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     """Per memctl configuration: share of (layer, bits) pairs within 2x, and the worst pair."""
     lines = []
-    for config in CONFIGS[1:]:
+    for config in (*CONFIGS[1:], "varcheck"):
         pairs = rows.get(config, {}).get("variance")
         if not pairs:
             continue
@@ -457,7 +518,7 @@ def summarise(rows: dict[str, dict[str, Any]]) -> list[str]:
     k = min(3, max(1, len(p_losses) // 4)) if p_losses else 1
     cos8 = rows.get("cos8", {}).get("cos8", math.nan)
     lines = []
-    for config in CONFIGS:
+    for config in (*CONFIGS, "varcheck"):
         r = rows.get(config)
         if r is None:
             continue
@@ -557,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                                        args.threads)
         for line in summarise(rows):
             print(line, flush=True)
-        for line in summarise_variance(name, rows):
+        for line in summarise_variance(name, rows) + summarise_predictions(name, rows):
             print(line, flush=True)
         if args.out:
             out_dir = Path(args.out)
