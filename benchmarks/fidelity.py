@@ -19,8 +19,11 @@ batches, once per configuration, each configuration in its own process:
 
 and once more for the 8-bit gradient check (``cos8``: the whole-model gradient with every
 layer at 8 bits against plain's, same weights and batch). Per row it prints: the loss at
-the first and the last step (each the mean of 3 steps), the fraction of plain's loss drop
-reached, a divergence flag (non-finite loss, or the last loss above the first), the
+the first and the last step (each the mean of 3 steps), the loss after training over the
+4 batches (``evalN``: no gradients, training mode, the same random draws in every run;
+the same evaluation before training, identical in every run, is the start point), the
+fraction of plain's loss drop reached on that evaluation, a divergence flag (a non-finite
+loss, the last steps' loss above the first steps', or ``evalN`` not below the start), the
 activation ratio memctl reports (raw / packed bytes), the same ratio measured from
 outside memctl's statistics (bytes of the distinct storages a plain ``saved_tensors_hooks``
 counter sees in the plain run, against the real buffer sizes of the records memctl's pack
@@ -277,6 +280,7 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         result["cos8"] = float(a @ b / (a.norm() * b.norm()))
         ctl.detach()
         return result
+    eval0 = evaluate(spec, model, batches, seed)  # before memctl attaches: the same in every run
     ctl = None
     counter = _PlainCounter(model)
     packed_seen: set[int] = set()
@@ -292,7 +296,11 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             static = sum(p.numel() * p.element_size() for p in model.parameters()) * 4
             static += sum(b.numel() * b.element_size() for b in model.buffers())
             options["budget"] = int((static + plain_saved / 8) / 0.95)
+        if config == "varcheck":
+            options.update(calibration_fraction=1000.0, allocation_interval=5)
         ctl = memctl.Controller(model, opt, **options)
+        if config == "varcheck":
+            result["predictions"] = _watch_predictions(ctl)
         pack = ctl._packer.pack
 
         def counting_pack(t: torch.Tensor) -> Any:
@@ -327,10 +335,150 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         s = ctl.stats()
         result["ratio"] = s["raw_bytes"] / max(s["packed_bytes"], 1)
         result["saved_bytes"] = packed_total[0]
+        result["variance"] = variance_pairs(s["layers"])
+        result["stats"] = {k: s[k] for k in ("layers", "saved_as_is", "calibration", "avg_bits") if k in s}
+        result["stats"]["events"] = s.get("events", [])[-50:]
         ctl.detach()
     else:
         result["saved_bytes"] = sum(counter.storages.values())
+    result["eval0"] = eval0
+    result["evalN"] = evaluate(spec, model, batches, seed)
     return result
+
+
+def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor]], seed: int) -> float:
+    """Mean loss over the (up to 4) distinct batches, without gradients, in training mode
+    (batch statistics, as the training steps see them) and with the same random draws
+    (dropout, stochastic depth) in every run: a less noisy end point than the last steps'
+    losses, whose values follow each run's own trajectory."""
+    rng = torch.get_rng_state()
+    total = []
+    buffers = [b.detach().clone() for b in model.buffers()]
+    with torch.no_grad():
+        for i, (x, y) in enumerate(batches[:4]):
+            torch.manual_seed(seed + 7919 + i)
+            total.append(float(loss_of(spec, model, x, y)))
+        for b, saved in zip(model.buffers(), buffers, strict=True):
+            b.copy_(saved)  # BatchNorm's running statistics as training left them
+    torch.set_rng_state(rng)
+    return _mean(total)
+
+
+def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
+    """For the ``varcheck`` configuration: each layer measurement the calibration makes, with
+    what the variance model predicted for that (layer, bits) just before it (out of sample).
+
+    ``kind`` says what the prediction stood on: ``repeat`` (an earlier measurement of the
+    same pair, moved by the closed form's drift), ``other_width`` (the layer measured at
+    another width), ``unmeasured`` (the per-width factor fitted to uniform replays, or the
+    largest measured factor).
+    """
+    from memctl.controller.stats import median_grad_sq
+
+    cal = ctl._calibration
+    record = cal.record
+    seen: list[dict[str, Any]] = []
+
+    def watched(layer: str, bits: int, value: float, predicted: float, step: int) -> None:
+        states = [s for s in ctl._layers.values() if s.numels]
+        state = ctl._layers.get(layer)
+        if state is not None:
+            mine = cal.measured.get(layer, {})
+            kind = "repeat" if bits in mine else ("other_width" if mine else "unmeasured")
+            before = cal.estimate(state, median_grad_sq(states), bits)
+            seen.append({"layer": layer, "bits": bits, "measured": value, "predicted": before,
+                         "closed_form": predicted, "kind": kind, "step": step})
+        record(layer, bits, value, predicted, step)
+
+    cal.record = watched
+    return seen
+
+
+def summarise_predictions(model: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The ``varcheck`` row: out-of-sample predicted vs measured added variance, by kind."""
+    preds = rows.get("varcheck", {}).get("predictions")
+    if not preds:
+        return []
+    parts = []
+    for kind in ("repeat", "other_width", "unmeasured", "closed_form"):
+        key = "closed_form" if kind == "closed_form" else "predicted"
+        chosen = preds if kind == "closed_form" else [p for p in preds if p["kind"] == kind]
+        scored = [(_factor(p[key], p["measured"]), p) for p in chosen]
+        if not scored:
+            continue
+        within = sum(1 for f, _ in scored if f <= 2.0)
+        worst_f, worst = max(scored, key=lambda fp: fp[0])
+        parts.append(f"{kind} {within}/{len(scored)} within 2x "
+                     f"(worst {worst_f:.3g}x {worst['layer']}@{worst['bits']}b)")
+    by_bits: dict[int, str] = {}
+    for b in sorted({p["bits"] for p in preds}):
+        mine = [p for p in preds if p["bits"] == b and p["kind"] != "unmeasured"]
+        if mine:
+            ok = sum(1 for p in mine if _factor(p["predicted"], p["measured"]) <= 2.0)
+            by_bits[b] = f"{ok}/{len(mine)}"
+    per_bits = ", ".join(f"{b}b {v}" for b, v in by_bits.items())
+    return [f"  varcheck {model}: {len(preds)} measurements, predicted before each: " + "; ".join(parts)
+            + (f"; measured-layer pairs within 2x by width: {per_bits}" if per_bits else "")]
+
+
+def variance_pairs(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per measured (layer, bits): predicted, measured, closed form and a held-out prediction.
+
+    ``predicted`` is ``stats()["layers"][i]["variance_predicted"]`` at the end of the run; it
+    is built from the measurements themselves (NOTE [ Calibration ]), so it is a consistency
+    check. ``held_out`` predicts the same pair without its own measurement: from the layer's
+    nearest other measured width moved by the closed form's ratio between the two widths
+    (how an unmeasured width of a measured layer is estimated), or None when the layer was
+    measured at one width only.
+    """
+    out: list[dict[str, Any]] = []
+    for layer in layers:
+        measured = {int(float(b)): float(v) for b, v in (layer.get("variance_measured") or {}).items()}
+        predicted = {int(float(b)): float(v) for b, v in (layer.get("variance_predicted") or {}).items()}
+        closed = {int(float(b)): float(v) for b, v in (layer.get("variance_closed_form") or {}).items()}
+        for b, meas in measured.items():
+            others = sorted((k for k in measured if k != b), key=lambda k: abs(k - b))
+            held = None
+            if others:
+                k = others[0]
+                pb, pk = closed.get(b, 0.0), closed.get(k, 0.0)
+                law = pb / pk if pb > 0 and pk > 0 else float(2**k - 1) ** 2 / float(2**b - 1) ** 2
+                held = measured[k] * law
+            out.append({"layer": layer["name"], "bits": b, "measured": meas,
+                        "predicted": predicted.get(b), "closed_form": closed.get(b), "held_out": held})
+    return out
+
+
+def _factor(a: float | None, b: float) -> float:
+    """max(a/b, b/a); 1 when both are 0 (a layer whose compression adds nothing, e.g. a ReLU
+    output read only through its exact sign), inf when only one is."""
+    if a is not None and a == 0 and b == 0:
+        return 1.0
+    if a is None or a <= 0 or b <= 0:
+        return math.inf
+    return max(a / b, b / a)
+
+
+def summarise_variance(model: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Per memctl configuration: share of (layer, bits) pairs within 2x, and the worst pair."""
+    lines = []
+    for config in (*CONFIGS[1:], "varcheck"):
+        pairs = rows.get(config, {}).get("variance")
+        if not pairs:
+            continue
+        parts = []
+        for key, label in (("predicted", "predicted"), ("held_out", "held-out"),
+                           ("closed_form", "closed form")):
+            scored = [(_factor(p[key], p["measured"]), p) for p in pairs if p[key] is not None]
+            if not scored:
+                parts.append(f"{label} -")
+                continue
+            within = sum(1 for f, _ in scored if f <= 2.0)
+            worst_f, worst = max(scored, key=lambda fp: fp[0])
+            parts.append(f"{label} {within}/{len(scored)} within 2x, worst {worst_f:.3g}x "
+                         f"({worst['layer']}@{worst['bits']}b)")
+        lines.append(f"  variance {model}/{config}: {len(pairs)} measured pairs; " + "; ".join(parts))
+    return lines
 
 
 def _copy_model(model: nn.Module) -> nn.Module:
@@ -368,10 +516,9 @@ def summarise(rows: dict[str, dict[str, Any]]) -> list[str]:
     plain = rows.get("plain", {})
     p_losses = plain.get("losses", [])
     k = min(3, max(1, len(p_losses) // 4)) if p_losses else 1
-    p_first, p_last = _mean(p_losses[:k]), _mean(p_losses[-k:])
     cos8 = rows.get("cos8", {}).get("cos8", math.nan)
     lines = []
-    for config in CONFIGS:
+    for config in (*CONFIGS, "varcheck"):
         r = rows.get(config)
         if r is None:
             continue
@@ -381,12 +528,13 @@ def summarise(rows: dict[str, dict[str, Any]]) -> list[str]:
             continue
         losses = r["losses"]
         first, last = _mean(losses[:k]), _mean(losses[-k:])
-        drop = (p_first - last) / (p_first - p_last) if p_first - p_last > 1e-9 else math.nan
-        diverged = not all(math.isfinite(v) for v in losses) or last > first
+        e0, e_plain, e_last = plain.get("eval0", math.nan), plain.get("evalN", math.nan), r["evalN"]
+        drop = (e0 - e_last) / (e0 - e_plain) if e0 - e_plain > 1e-9 else math.nan
+        diverged = not all(math.isfinite(v) for v in losses) or last > first or not e_last < e0
         ratio = r.get("ratio", 1.0)
         outside = plain.get("saved_bytes", 0) / r["saved_bytes"] if r.get("saved_bytes") else math.nan
         lines.append(
-            f"{model:18s} {config:8s} {first:7.3f} {last:7.3f} {drop * 100:7.1f}% "
+            f"{model:18s} {config:8s} {first:7.3f} {last:7.3f} {e_last:7.3f} {drop * 100:7.1f}% "
             f"{'yes' if diverged else 'no':>4s} {cos8 if config == 'plain' else math.nan:9.6f} "
             f"{ratio:6.1f}x {outside:6.1f}x {r['saved_bytes'] / 2**20:8.2f} "
             f"{r['peak_rss_mib']:8.0f} {r['time_s']:7.1f}"
@@ -394,7 +542,7 @@ def summarise(rows: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-HEADER = (f"{'model':18s} {'config':8s} {'loss0':>7s} {'lossN':>7s} {'drop%':>8s} {'div':>4s} "
+HEADER = (f"{'model':18s} {'config':8s} {'loss0':>7s} {'lossN':>7s} {'evalN':>7s} {'drop%':>8s} {'div':>4s} "
           f"{'cos8':>9s} {'ratio':>7s} {'outside':>7s} {'savedMiB':>8s} {'rssMiB':>8s} {'time_s':>7s}")
 
 
@@ -423,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/Numba threads per process (0: their defaults); 1 keeps a busy machine fair")
+    ap.add_argument("--out", default="", help="folder for raw results (JSON per model)")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--plain-saved", type=int, default=0, help=argparse.SUPPRESS)
@@ -469,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
                                        args.threads)
         for line in summarise(rows):
             print(line, flush=True)
+        for line in summarise_variance(name, rows) + summarise_predictions(name, rows):
+            print(line, flush=True)
+        if args.out:
+            out_dir = Path(args.out)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"{name}.json").write_text(json.dumps(rows))
     return 0
 
 

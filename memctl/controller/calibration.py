@@ -28,8 +28,9 @@ without parameters borrows the median output gradient, which can move the wrong 
 An unmeasured bit width of a measured layer comes from its nearest measured width, moved
 by the (2^b − 1)⁻² law (which holds per layer from 2 bits up within ~1.3x on the nets we
 measured) (at 1 bit from 2 bits, times the largest 1-bit/2-bit excess seen on any
-layer, 8 until one is seen); an unmeasured layer takes the largest factor of any
-measured layer. Both err towards more bits. A bit width below 2 is allowed for a layer
+layer, 8 until one is seen). An unmeasured layer takes the factor fitted for its bit width
+(NOTE [ Unmeasured layers ]), and before the first fit the largest factor of any
+measured layer. A bit width below 2 is allowed for a layer
 only once it has been measured there (:meth:`Calibration.floor`): 1 bit is the width
 whose damage the closed form hides.
 
@@ -39,6 +40,26 @@ the output gradient, and E‖g_A − g_B‖² = tr Var(g) for a gradient that su
 independent per-sample terms (BatchNorm couples the samples, so this is approximate).
 It also replays the allocation in use, whose measured added variance the convergence
 guard (NOTE [ Convergence guard ]) compares with the bound.
+
+NOTE [ Unmeasured layers ]
+Per-layer factors over the closed form span more than three orders of magnitude within
+one network (on MobileNetV3, 8e-5 for a BatchNorm input and 0.28 for the hardswish input
+next to it), so extrapolating from the one or two layers the first probes measure fails
+either way: the largest factor seen at step 0 (one layer, 8e-5) predicted 0.64 for an
+allocation that added 186, and the largest at step 10 (0.28) made every layer look too
+noisy even at 8 bits, so the allocation fell back to 8 bits everywhere (3.5x). Nor does
+one width speak for another: on a ViT a factor fitted at 8 bits and moved to 2 bits by
+the (2^b − 1)⁻² law predicted 0.32 for an allocation that added 1340.
+So while some layers are unmeasured, each probe also replays every layer at once at each
+bit width b >= 2 (one replay per width; 1 bit is never given to an unmeasured layer),
+and whatever of that total ``A_b`` the measured layers' estimates do not explain is
+charged to the unmeasured layers in proportion to their closed forms:
+
+    f_b = max(A_b − Σ_measured V_l(b), A_b / 4) / Σ_unmeasured P_l(b)
+
+(the floor because ``A_b`` is one random draw), a running mean over probes. The total
+predicted for a uniform width then matches what was measured, and the allocation and the
+guard work from calibrated totals while the per-layer measurements fill in.
 
 Cost: each replay is one forward and backward. Calibration spends at most
 ``calibration_fraction`` of the training time (measured by the clock, unused time
@@ -97,6 +118,9 @@ class Calibration:
         self.added: float | None = None
         """Added variance of the allocation in use, measured at the last probe."""
         self.added_predicted: float | None = None
+        self.width_factors: dict[int, float] = {}
+        """Per bit width, the factor over the closed form for layers not measured yet
+        (NOTE [ Unmeasured layers ])."""
         self.replay_s: float | None = None
         self.carry_s = 0.0
         self.probes = 0
@@ -155,8 +179,34 @@ class Calibration:
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
+        if self.width_factors:
+            near = min(self.width_factors, key=lambda k: (abs(k - b), -k))
+            # a width not fitted (1 bit) takes the nearest one's factor, times the 1-bit excess
+            excess = self.one_bit_excess() if b == 1 and near >= 2 else 1.0
+            return self.width_factors[near] * p * excess
         largest = self._largest_factor(b)
         return p if largest is None else largest * p
+
+    def unmeasured(self, layers: Iterable[LayerState]) -> bool:
+        """Whether any of ``layers`` has no measurement yet."""
+        return any(not self.measured.get(s.name) for s in layers)
+
+    def fit_width(self, bits: int, added: float, layers: Iterable[LayerState], fallback_g2: float) -> None:
+        """Fit the unmeasured layers' factor at ``bits`` to ``added``, measured with every layer at
+        ``bits`` (NOTE [ Unmeasured layers ])."""
+        if not (math.isfinite(added) and added >= 0):
+            return
+        explained = 0.0
+        closed = 0.0
+        for state in layers:
+            if self.measured.get(state.name):
+                explained += self.estimate(state, fallback_g2, bits)
+            else:
+                closed += closed_form(state, fallback_g2, bits)
+        if not (closed > 0 and math.isfinite(closed)):
+            return
+        factor = max(added - explained, added / 4.0) / closed
+        self.width_factors[bits] = _ema(self.width_factors.get(bits), factor)
 
     def floor(self, state: LayerState) -> float | None:
         """The lowest bit width the allocation may give ``state`` (None: no floor)."""
@@ -250,6 +300,7 @@ class Calibration:
                          for n, mine in self.measured.items()},
             "grad_sq": self.grad_sq,
             "grad_noise": self.grad_noise,
+            "width_factors": {str(b): f for b, f in self.width_factors.items()},
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -264,6 +315,10 @@ class Calibration:
         g2, noise = state.get("grad_sq"), state.get("grad_noise")
         self.grad_sq = float(g2) if isinstance(g2, int | float) else None
         self.grad_noise = float(noise) if isinstance(noise, int | float) else None
+        widths = state.get("width_factors") or {}
+        self.width_factors = {}
+        if isinstance(widths, dict):
+            self.width_factors = {int(b): float(f) for b, f in widths.items()}
 
 
 def _law(b: int, k: int, p_b: float, p_k: float) -> float:

@@ -43,6 +43,8 @@ class ControllerConfig:
         min_numel: float tensors with fewer values than this are kept as they are.
         compress_outside: also compress float tensors saved outside the model's forward
             (the loss); off by default, see NOTE [ What is compressed ].
+        log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
+            (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -84,6 +86,7 @@ class ControllerConfig:
     allow_keep: bool = True
     min_numel: int = 4096
     compress_outside: bool = False
+    log_prob_bits: int | None = 8
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10
@@ -123,6 +126,13 @@ class ControllerConfig:
                 f"(the range of bit_choices={self.bit_choices}), or None for the adaptive policy"
             )
         _positive_int("min_numel", self.min_numel, zero_ok=True)
+        if self.log_prob_bits is not None and (
+            isinstance(self.log_prob_bits, bool) or self.log_prob_bits not in (4, 8)
+        ):
+            raise ConfigError(
+                f"log_prob_bits={self.log_prob_bits!r}: must be 4 or 8 (bits of the stored "
+                "probabilities), or None to keep log-softmax outputs exact"
+            )
         _positive_int("group_size", self.group_size)
         if self.group_size % 8:
             raise ConfigError(f"group_size={self.group_size}: must be a multiple of 8 (e.g. 256)")

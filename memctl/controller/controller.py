@@ -356,7 +356,8 @@ class Controller:
     def _choice_for(self, layer: str) -> tuple[float, float | None]:
         state = self._layers.get(layer)
         if state is None or state.bits is None:
-            return float(policy.default_bits(self.config)), None
+            adaptive = policy.resolve_objective(self.config, self._budget_spec is not None) is Objective.BYTES
+            return float(policy.default_bits(self.config, adaptive)), None
         return state.bits, state.error_bound
 
     # -- the step boundary -----------------------------------------------------------
@@ -505,8 +506,9 @@ class Controller:
 
     def _noise_guard(self, added: float | None, layers: list[LayerState], fallback_g2: float) -> bool:
         reference = self._calibration.reference()
-        alloc = self._allocation
-        if added is None or reference is None or alloc is None:
+        # also at the first probe, before any allocation: the first steps run at the
+        # configured bits, which the calibration has only now measured
+        if added is None or reference is None:
             return False
         objective = policy.resolve_objective(self.config, self._budget_spec is not None)
         predicted = self._calibration.added_predicted

@@ -8,9 +8,12 @@ NOTE [ What is compressed ]
   change only in the optimizer step, after the backward pass has read them.
 - Non-float tensors (max-pool indices, bool masks, targets) go to the lossless codec.
 - Float tensors below ``min_numel`` values are copied, not compressed.
-- Float tensors saved outside the model's forward (the loss) and log-softmax outputs are
-  copied, not compressed: they are small, and their backward exponentiates them, so a
-  quantisation error there grows exponentially (``compress_outside`` changes the first).
+- Log-softmax outputs (inside or outside the model's forward) are stored as their
+  probabilities at ``log_prob_bits`` (NOTE [ Log-probabilities ] in logprobs.py): their
+  backward exponentiates them, so quantising the log-probabilities themselves would make
+  the error grow exponentially; ``log_prob_bits=None`` copies them.
+- Other float tensors saved outside the model's forward (the loss) are copied, not
+  compressed: they are small (``compress_outside`` changes this).
 - Every other float tensor is compressed at its layer's bits (or error bound).
 A copy is always taken: with saved-tensor hooks active, autograd no longer detects
 in-place modification of a saved tensor, so keeping the original object would give
@@ -81,6 +84,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
+from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.stats import LayerStep
@@ -104,8 +108,8 @@ class Saved:
     __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "regions", "shape", "source",
                  "version")
 
-    def __init__(self, data: Packed | torch.Tensor, like: torch.Tensor, regions: tuple[RegionCode, ...] = (),
-                 layer: str | None = None) -> None:
+    def __init__(self, data: Packed | LogProbs | torch.Tensor, like: torch.Tensor,
+                 regions: tuple[RegionCode, ...] = (), layer: str | None = None) -> None:
         self.data = data
         self.regions = regions
         self.layer = layer
@@ -289,6 +293,8 @@ class Packer:
         data = saved.data
         if isinstance(data, torch.Tensor):
             return data
+        if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
+            return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
         start = time.perf_counter()
         codec: Any = self._codec(data.codec)
         fused = _relu_code(saved) if decodes_mask(codec) else None  # NOTE [ ReLU masks ]
@@ -325,6 +331,13 @@ class Packer:
             rec.other_bytes += p.nbytes
             return Saved(p, t)
         rec.raw_bytes += nbytes
+        if self._config.log_prob_bits is not None and t.numel() >= self._config.min_numel \
+                and is_log_softmax(t):
+            kept = self._log_probs(t, layer, self._config.log_prob_bits)
+            if kept is not None:
+                rec.fixed_bytes += kept.nbytes
+                rec.packed_bytes += kept.nbytes
+                return Saved(kept, t)
         exact = (layer == ROOT and not self._config.compress_outside) or (
             t.grad_fn is not None and type(t.grad_fn).__name__ in _EXACT_OPS
         )
@@ -359,6 +372,16 @@ class Packer:
         rec.packed_bytes += p.nbytes
         self._range_stats(t, p, rec)
         return Saved(p, t, () if region is None else (region,), layer=layer)
+
+    def _log_probs(self, t: torch.Tensor, layer: str, bits: int) -> LogProbs | None:
+        """``t`` as quantised probabilities, or None (kept exact) if that fails."""
+        self._counter += 1
+        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        try:
+            return encode_log_probs(t, self._codec("quantize"), bits, seed, self._config.group_size)
+        except Exception as exc:  # see NOTE [ Codec fallback ]
+            self._on_fallback(layer, exc)
+            return None
 
     def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
                   seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memctl.controller.calibration import Calibration, closed_form
-from memctl.controller.config import CodecMode, ControllerConfig
+from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.policy import error_bound_for
 from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, only
 from memctl.controller.stats import LayerState
@@ -80,6 +80,12 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             if record:
                 calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
             result.measured.append((name, bits, value))
+        if calibration.unmeasured(layers):  # NOTE [ Unmeasured layers ]: after the layer measurements
+            for bits in sorted(b for b in config.bit_choices if b >= 2):
+                g = _timed(calibration, result, _replay_fn(replayer, model, capture,
+                                                           _uniform(by_name, bits, config), seed + 5 + bits))
+                if g is not None:
+                    calibration.fit_width(bits, float((g - exact_g).square().sum()), layers, fallback_g2)
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
@@ -91,6 +97,18 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         calibration.added = result.added
         calibration.added_predicted = result.predicted
     return result
+
+
+def _uniform(by_name: dict[str, LayerState], bits: int, config: ControllerConfig) -> ChoiceFn:
+    """A choice function: every calibrated layer at ``bits``, anything else exact."""
+    def choice(name: str) -> tuple[float, float | None]:
+        s = by_name.get(name)
+        if s is None:
+            return float(KEEP_BITS), None
+        eb = error_bound_for(s, bits) if config.codec is CodecMode.ERRORBOUND else None
+        return float(bits), eb
+
+    return choice
 
 
 def _replay_fn(replayer: Replayer, model: torch.nn.Module, capture: Capture, choice: ChoiceFn,

@@ -22,7 +22,7 @@ A replay holds the raw activations of one forward (what plain PyTorch holds).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -103,7 +103,9 @@ class Replayer:
             if narrowed is None:
                 return None
             args, kwargs, grads = narrowed
-        packer = Packer(self._config, self._tracker, choice_for, lambda layer, exc: None)
+        # log-softmax outputs exact: a measurement holds only its layer's noise (NOTE [ Log-probabilities ])
+        packer = Packer(replace(self._config, log_prob_bits=None), self._tracker, choice_for,
+                        lambda layer, exc: None)
         packer.set_parameters(model)
         packer.begin_step(seed)
         devices = [self._device.index or 0] if self._device.type == "cuda" else []

@@ -67,6 +67,12 @@ def test_attribution_innermost_module_and_root() -> None:
     assert {"block1.bn1", "block2.bn2", "block2.conv1"} <= names
     assert ROOT in names  # the loss's log-probabilities, saved outside the model
     root = next(e for e in ctl.stats()["layers"] if e["name"] == ROOT)
+    # stored as probabilities at 8 bits (NOTE [ Log-probabilities ])
+    assert root["packed_bytes"] < root["raw_bytes"]
+    ctl.detach()
+    ctl, opt = _controller(model, log_prob_bits=None)
+    _train_step(model, opt)
+    root = next(e for e in ctl.stats()["layers"] if e["name"] == ROOT)
     assert root["packed_bytes"] == root["raw_bytes"]  # kept exact (NOTE [ What is compressed ])
     ctl.detach()
 

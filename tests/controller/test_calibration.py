@@ -1,0 +1,104 @@
+"""The calibration's model of unmeasured layers (NOTE [ Unmeasured layers ]) and the default
+policy's first step (NOTE [ Default policy ])."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import memctl
+from memctl.controller.calibration import Calibration, closed_form
+from memctl.controller.config import ControllerConfig
+from memctl.controller.stats import LayerState
+from tests.controller.test_guard import NoisyNet, _steps
+
+
+def _layer(name: str, range_term: float, grad_sq: float = 1.0) -> LayerState:
+    return LayerState(name, ema_grad_sq=grad_sq, ema_range_term=range_term, numels=(4096,))
+
+
+def test_fitted_width_factor_makes_the_uniform_total_match_the_measurement() -> None:
+    cal = Calibration(ControllerConfig())
+    a, b, c = _layer("a", 1.0), _layer("b", 3.0), _layer("c", 5.0)
+    cal.record("a", 2, 0.5, closed_form(a, 1.0, 2), step=0)
+    measured_at_2 = 40.0  # every layer at 2 bits at once
+    cal.fit_width(2, measured_at_2, [a, b, c], 1.0)
+    total = sum(cal.estimate(s, 1.0, 2) for s in (a, b, c))
+    assert math.isclose(total, measured_at_2, rel_tol=1e-9)
+    # the unmeasured layers share the rest in proportion to their closed forms
+    assert math.isclose(cal.estimate(c, 1.0, 2) / cal.estimate(b, 1.0, 2), 5.0 / 3.0, rel_tol=1e-9)
+    # a width fits on its own: 8 bits is not 2 bits moved by the (2^b - 1)^-2 law
+    cal.fit_width(8, 2.0, [a, b, c], 1.0)
+    ratio = cal.estimate(b, 1.0, 2) / cal.estimate(b, 1.0, 8)
+    assert ratio < 0.5 * (255 / 3) ** 2
+    # nothing unexplained: the unmeasured layers still get a quarter of the total, not zero
+    cal2 = Calibration(ControllerConfig())
+    cal2.record("a", 2, 100.0, closed_form(a, 1.0, 2), step=0)
+    cal2.fit_width(2, 40.0, [a, b, c], 1.0)
+    assert math.isclose(cal2.estimate(b, 1.0, 2) + cal2.estimate(c, 1.0, 2), 10.0, rel_tol=1e-9)
+
+
+def test_width_factors_survive_state_dict() -> None:
+    cal = Calibration(ControllerConfig())
+    cal.fit_width(4, 3.0, [_layer("a", 1.0)], 1.0)
+    again = Calibration(ControllerConfig())
+    again.load_state_dict(cal.state_dict())
+    assert again.width_factors == cal.width_factors and again.width_factors
+
+
+def test_probes_fit_every_width_while_layers_are_unmeasured() -> None:
+    torch.manual_seed(0)
+    model = NoisyNet(12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                            calibration_fraction=0.01, calibration_max_replays=1)
+    _steps(ctl, 1)
+    cal = ctl._calibration
+    ctl.detach()
+    assert sorted(cal.width_factors) == [2, 4, 8]
+    assert all(f > 0 for f in cal.width_factors.values())
+
+
+class _BitsSpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize(("options", "first_bits"), [({}, 8.0), ({"bits": 2.0}, 2.0)])
+def test_first_step_bits(options: dict[str, float], first_bits: float) -> None:
+    """The default policy's first step, before anything was measured, runs at the most precise
+    choice; ``bits=`` runs at what was asked for."""
+    torch.manual_seed(0)
+    model = _BitsSpy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, calibration_fraction=0,
+                            **options)  # type: ignore[arg-type]
+    nn.functional.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,))).backward()
+    opt.step()
+    used = {e["name"]: e["bits"] for e in ctl.stats()["layers"] if e["raw_bytes"] and e["name"] != "<root>"}
+    ctl.detach()
+    assert used and all(b == first_bits for b in used.values()), used
+
+
+def test_guard_acts_at_the_first_probe() -> None:
+    """Before any allocation the first steps ran at the configured bits: a layer that cannot take
+    them is raised at the first probe, not one allocation interval later."""
+    torch.manual_seed(0)
+    model = NoisyNet(12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=50,
+                            calibration_fraction=1000.0, bits=2, bit_choices=(2, 4, 8))
+    _steps(ctl, 1)
+    s = ctl.stats()
+    ctl.detach()
+    guard = [e for e in s["events"] if e["kind"] == "guard"]
+    assert guard and guard[0]["step"] == 0, s["events"]
+    assert "wiggle" in guard[0]["message"]

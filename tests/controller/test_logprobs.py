@@ -1,0 +1,141 @@
+"""Log-softmax outputs stored as probabilities (NOTE [ Log-probabilities ], memctl/controller/logprobs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memctl
+from memctl.codecs import get
+from memctl.controller.config import ControllerConfig
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs
+from memctl.controller.packing import Packer, Saved
+from memctl.errors import ConfigError
+
+
+def _packer(**config: object) -> Packer:
+    tracker = ModuleTracker()
+    tracker.model_depth = 1
+
+    def fail(layer: str, exc: BaseException) -> None:
+        raise AssertionError(f"codec fallback in {layer}: {exc}")
+
+    return Packer(ControllerConfig(**config), tracker, lambda layer: (2.0, None), fail)  # type: ignore[arg-type]
+
+
+def _logits(rows: int = 64, vocab: int = 512, seed: int = 0, scale: float = 6.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(rows, vocab, generator=g)).requires_grad_()
+
+
+def test_log_softmax_output_is_stored_at_8_bits_not_copied() -> None:
+    y = F.log_softmax(_logits(), dim=-1)
+    packer = _packer()
+    saved = packer.pack(y)
+    assert isinstance(saved, Saved) and isinstance(saved.data, LogProbs)
+    raw = y.numel() * y.element_size()
+    assert saved.data.nbytes < raw / 3.5  # 8 bits per value plus group metadata
+    (rec,) = packer.finish_step().values()
+    assert rec.raw_bytes == raw
+    assert rec.fixed_bytes == rec.packed_bytes == saved.data.nbytes
+
+
+def test_log_prob_bits_none_keeps_them_exact() -> None:
+    y = F.log_softmax(_logits(), dim=-1)
+    saved = _packer(log_prob_bits=None).pack(y)
+    assert isinstance(saved, Saved) and isinstance(saved.data, torch.Tensor)
+    assert torch.equal(saved.data, y.detach())
+
+
+@pytest.mark.parametrize("value", [3, 16, True])
+def test_log_prob_bits_is_validated(value: object) -> None:
+    with pytest.raises(ConfigError, match="log_prob_bits"):
+        ControllerConfig(log_prob_bits=value)  # type: ignore[arg-type]
+
+
+def test_decoded_values_stay_finite_and_within_their_group() -> None:
+    y = F.log_softmax(_logits(scale=12.0), dim=-1).detach()  # many probabilities round to 0
+    codec = get("quantize")
+    rec = encode_log_probs(y, codec, 8, seed=3, group=256)
+    out = decode_log_probs(rec, codec, y.shape, y.dtype)
+    assert out.shape == y.shape and out.dtype == y.dtype
+    assert torch.isfinite(out).all()
+    groups, got = y.reshape(-1, 256), out.reshape(-1, 256)
+    assert (got >= groups.amin(dim=1, keepdim=True)).all()
+    assert (got <= groups.amax(dim=1, keepdim=True) + 1e-6).all()
+    # each row's most likely token (its group's largest probability) comes back exact
+    top = groups.argmax(dim=1)
+    rows = torch.arange(groups.shape[0])
+    assert torch.allclose(got[rows, top], groups[rows, top], rtol=0, atol=1e-6)
+
+
+def test_masked_and_nan_values_come_back_as_they_were() -> None:
+    logits = torch.randn(8, 512)
+    logits[:, 100:200] = -torch.inf  # a masked vocabulary
+    y = F.log_softmax(logits, dim=-1)
+    y[0, 5] = torch.nan
+    codec = get("quantize")
+    out = decode_log_probs(encode_log_probs(y, codec, 8, seed=1, group=256), codec, y.shape, y.dtype)
+    assert torch.isneginf(out[:, 100:200]).all()
+    assert torch.isnan(out[0, 5])
+    # groups without a masked entry come back finite; in a group holding one, a probability
+    # that rounds to 0 cannot be told from it and reads -inf too (never NaN or +inf)
+    assert torch.isfinite(out[:, 256:]).all()
+    head = out[:, :100].flatten()
+    assert (torch.isfinite(head) | torch.isneginf(head)).sum() == 8 * 100 - 1
+
+
+def test_cross_entropy_gradient_is_unbiased_and_close() -> None:
+    """Log-softmax's backward is linear in exp(y): the mean over seeds converges to plain's."""
+    logits = _logits(rows=32, scale=4.0)
+    target = torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(logits, target).backward()
+    plain = logits.grad.clone()
+    logits.grad = None
+    grads = []
+    for seed in range(64):
+        packer = _packer()
+        packer.begin_step(seed)
+        with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+            loss = F.cross_entropy(logits, target)
+        loss.backward()
+        grads.append(logits.grad.clone())
+        logits.grad = None
+    one, mean = grads[0], torch.stack(grads).mean(0)
+    cos = float(F.cosine_similarity(one.flatten().double(), plain.flatten().double(), dim=0))
+    assert cos > 0.9999
+    # averaging 64 draws shrinks the error ~8x (unbiased); a biased scheme would not shrink
+    assert (mean - plain).norm() < 0.25 * (one - plain).norm()
+
+
+def test_a_language_model_head_under_the_controller() -> None:
+    """End to end: the ratio counts the 8-bit record, the gradient stays close to plain's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512))
+    tokens = torch.randint(0, 512, (16, 32))
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        out = m(tokens)
+        return F.cross_entropy(out.reshape(-1, 512), tokens.reshape(-1))
+
+    import copy
+
+    ref = copy.deepcopy(model)
+    loss_of(ref).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the step only ends the controller's step
+    results = {}
+    for bits in (8, None):
+        ctl = memctl.Controller(model, opt, bits=8.0, monitor_interval_s=0, log_prob_bits=bits,
+                                calibration_fraction=0)
+        loss_of(model).backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+        r = torch.cat([p.grad.flatten() for p in ref.parameters()]).double()
+        opt.step()
+        stats = ctl.stats()
+        results[bits] = (float(g @ r / (g.norm() * r.norm())), stats["raw_bytes"] / stats["packed_bytes"])
+        ctl.detach()
+        opt.zero_grad(set_to_none=True)
+    assert results[8][0] > 0.9999
+    assert results[8][1] > 2.0 * results[None][1]  # the log-probabilities dominate the saved bytes
