@@ -45,7 +45,8 @@ Not derived (today's path): ``y`` saved at kept-exact bits or by the error-bound
 (``f`` can stretch an absolute bound by its slope, 1.5 for hardswish), ``x`` kept as a
 copy, ``x`` modified in place since it was packed, ops whose forward cannot be rebuilt
 from the node (``threshold`` does not save its replacement value) or whose rebuilt ``f``
-does not reproduce ``y`` bit for bit (checked when ``y`` is packed), and outputs that
+does not reproduce ``y`` bit for bit (checked the first time an op is seen per dtype and
+device type, so that the check's device-to-host read is paid once), and outputs that
 are not the op's own result (a view or a later op's). Calibration replays one layer at a
 time, so its measured variance is that of the separate records (an overestimate for the
 pairs derived in training).
@@ -179,6 +180,9 @@ class Derived:
         return 0
 
 
+_Key = tuple[str, torch.dtype, str]
+
+
 @dataclass(frozen=True, eq=False)
 class _Offer:
     node: Any
@@ -197,6 +201,8 @@ class DerivableOutputs:
 
     def __init__(self) -> None:
         self._offers: dict[int, _Offer] = {}
+        self.verified: set[_Key] = set()
+        """Ops (and dtype, device type) whose rebuilt ``f`` reproduced ``y`` once: checked no more."""
 
     def clear(self) -> None:
         self._offers.clear()
@@ -222,8 +228,8 @@ class DerivableOutputs:
         self._offers.clear()
         return out
 
-    def take(self, t: torch.Tensor) -> tuple[Any, torch.Tensor, Function] | None:
-        """``(input record, input, f)`` when ``t`` is the direct output of an offered op."""
+    def take(self, t: torch.Tensor) -> tuple[Any, torch.Tensor, Function, _Key] | None:
+        """``(input record, input, f, key of verified)`` when ``t`` is the direct output of an offered op."""
         node = t.grad_fn
         if node is None or int(t.output_nr) != 0 or not self._offers:
             return None
@@ -231,7 +237,8 @@ class DerivableOutputs:
         if offer is None or offer.node is not node or offer.source._version != offer.version:
             return None
         saved = offer.saved()
-        return None if saved is None else (saved, offer.source, offer.fn)
+        key = (type(node).__name__, t.dtype, t.device.type)
+        return None if saved is None else (saved, offer.source, offer.fn, key)
 
 
 _OFFERS = 4

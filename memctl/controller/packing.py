@@ -368,17 +368,19 @@ class Packer:
         offer = self._regions.outputs.take(t)
         if offer is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
-        source_saved, source, fn = offer
+        source_saved, source, fn, key = offer
         old = source_saved.data
         if not isinstance(old, Packed) or old.codec != "quantize":
             return None
         raised = min(DERIVED_MAX_BITS, int(old.params["bits"]) + int(bits))
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
-            if not torch.equal(fn(source.detach()), t.detach()):
-                return None  # f not rebuilt exactly from the node: keep y's own record
+            if key not in self._regions.outputs.verified:
+                if not torch.equal(fn(source.detach()), t.detach()):
+                    return None  # f not rebuilt exactly from the node: keep y's own record
+                self._regions.outputs.verified.add(key)
+            self._counter += 1
+            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
             p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
             self._on_fallback(layer, exc)

@@ -363,6 +363,17 @@ def test_recomputed_output_costs_no_more_and_is_read_at_twice_the_bits(
     assert err < 0.6, err
 
 
+def test_an_output_function_that_misses_the_output_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _head_net(nn.Hardswish())
+    monkeypatch.setitem(derived._FORWARD, "HardswishBackward0", lambda node: torch.relu)
+    wrong, wrong_grad = _packed(model, 2)
+    _separate_records(monkeypatch)
+    separate, separate_grad = _packed(model, 2)
+    assert wrong == separate
+    assert torch.equal(wrong_grad, separate_grad)
+
+
 def test_value_dependent_input_with_unsaved_output_is_raised_and_priced() -> None:
     """Hardswish before a mean (whose backward saves nothing): its input at 4 bits, priced as mask bytes."""
     torch.manual_seed(0)
