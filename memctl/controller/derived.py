@@ -48,8 +48,9 @@ from the node (``threshold`` does not save its replacement value) or whose rebui
 does not reproduce ``y`` bit for bit (checked the first time an op is seen per dtype and
 device type, so that the check's device-to-host read is paid once), and outputs that
 are not the op's own result (a view or a later op's). Calibration replays one layer at a
-time, so its measured variance is that of the separate records (an overestimate for the
-pairs derived in training).
+time and does not raise the unread inputs, so its measured variance is that of the
+separate records at the layers' own bits (an overestimate for the records derived or
+raised in training: it errs towards more bits).
 """
 
 from __future__ import annotations
