@@ -136,6 +136,29 @@ def test_relu_result_region_keeps_exact_zeros(shape: list[int], data: st.DataObj
     assert torch.equal(v[y == 0], torch.zeros_like(v[y == 0]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(n for n in OPS if n != "threshold")),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_output_function_rebuilds_the_op(name: str, shape: list[int], data: st.DataObject) -> None:
+    """f rebuilt from the node (NOTE [ Outputs recomputed from the input ]) is the op, bit for bit."""
+    n = math.prod(shape)
+    value = st.one_of(st.sampled_from(_near(OPS[name][1])), st.floats(-8.0, 8.0, width=32))
+    x = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
+    y = OPS[name][0](x.requires_grad_(True) * 1.0)
+    fn = derived.output_function(y.grad_fn)
+    assert fn is not None, name
+    assert torch.equal(fn(x.detach()), y.detach())
+
+
+def test_threshold_output_is_not_rebuilt() -> None:
+    """threshold's node does not save the replacement value: its output keeps its own record."""
+    x = torch.randn(4, requires_grad=True) * 1.0
+    assert derived.output_function(F.threshold(x, 0.3, -2.0).grad_fn) is None
+
+
 def test_code_widths() -> None:
     assert _partition("hardswish").bits == 2 and _partition("abs").bits == 2
     assert all(_partition(n).bits == 1 for n in OPS if n not in ("hardswish", "abs"))
