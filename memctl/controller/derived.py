@@ -38,8 +38,10 @@ inside a region) whose output no record holds (the op feeds a mean, a sum or a r
 add, whose backward saves nothing) has no second record to take bits from; at the end of
 the forward it is encoded again at twice its bits (at most 8) on its own, and the extra
 bytes count as the layer's ``mask_bytes``, so the allocation prices them from the next
-step on. On the conv net this costs 10.5x -> 9.4x (hardswish) and 12.0x -> 10.6x (ELU)
-at 2 bits, and brings the hardswish net's cosine from 0.975 to 0.988.
+step on. At most two matched inputs are held, raw, waiting for their output to be
+saved (as for the pending inputs); one pushed out by a third is raised then. On the
+conv net this costs 10.5x -> 9.4x (hardswish) and 12.0x -> 10.6x (ELU) at 2 bits, and
+brings the hardswish net's cosine from 0.975 to 0.988.
 
 Not derived (today's path): ``y`` saved at kept-exact bits or by the error-bound codec
 (``f`` can stretch an absolute bound by its slope, 1.5 for hardswish), ``x`` kept as a
@@ -182,6 +184,8 @@ class Derived:
 
 
 _Key = tuple[str, torch.dtype, str]
+_Unread = tuple[Any, torch.Tensor]
+"""An input record and its input, of a value-dependent op whose output no record holds."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -208,24 +212,25 @@ class DerivableOutputs:
     def clear(self) -> None:
         self._offers.clear()
 
-    def offer(self, node: Any, saved: Any, source: torch.Tensor, version: int) -> None:
-        """The op ``node`` saved ``source`` (now recorded as ``saved``)."""
+    def offer(self, node: Any, saved: Any, source: torch.Tensor, version: int) -> list[_Unread]:
+        """The op ``node`` saved ``source`` (now recorded as ``saved``).
+
+        Returns what :meth:`leftover` would for the offers this one pushes out of the table
+        (at most :data:`_OFFERS` inputs are held, as for the pending inputs).
+        """
         fn = output_function(node)
         if fn is None:
-            return
+            return []
         self._offers.pop(id(node), None)
         self._offers[id(node)] = _Offer(node, weakref.ref(saved), source, version, fn)
+        evicted = []
         while len(self._offers) > _OFFERS:
-            del self._offers[next(iter(self._offers))]
+            evicted.append(self._offers.pop(next(iter(self._offers))))
+        return _unread(evicted)
 
-    def leftover(self) -> list[tuple[Any, torch.Tensor]]:
+    def leftover(self) -> list[_Unread]:
         """``(input record, input)`` of value-dependent ops whose output nobody saved; clears the table."""
-        out = []
-        for offer in self._offers.values():
-            saved = offer.saved()
-            if (saved is not None and type(offer.node).__name__ in _VALUE_DEPENDENT
-                    and offer.source._version == offer.version):
-                out.append((saved, offer.source))
+        out = _unread(list(self._offers.values()))
         self._offers.clear()
         return out
 
@@ -242,7 +247,17 @@ class DerivableOutputs:
         return None if saved is None else (saved, offer.source, offer.fn, key)
 
 
-_OFFERS = 4
+_OFFERS = 2
+
+
+def _unread(offers: list[_Offer]) -> list[_Unread]:
+    out = []
+    for offer in offers:
+        saved = offer.saved()
+        if (saved is not None and type(offer.node).__name__ in _VALUE_DEPENDENT
+                and offer.source._version == offer.version):
+            out.append((saved, offer.source))
+    return out
 
 # Ops whose derivative depends on the value inside a region (not only on the branch).
 _VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0"})

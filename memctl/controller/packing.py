@@ -256,7 +256,9 @@ class Packer:
                     if saved is not None:
                         self._attach_region(saved, part, pending.source, pending.layer)
                         if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
-                            self._regions.outputs.offer(pending.op, saved, pending.source, pending.version)
+                            offers = self._regions.outputs
+                            for unread in offers.offer(pending.op, saved, pending.source, pending.version):
+                                self._raise_unread(*unread)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""

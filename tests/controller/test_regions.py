@@ -424,3 +424,26 @@ def test_region_bytes_are_priced_in_the_layer_accounting() -> None:
     state = ctl._layers["a1"]
     ctl.detach()
     assert state.mask_bytes == 2 * numel // 8  # hardswish: a 2-bit code on the saved input
+
+
+class _ResidualHardswish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(8, 8, 1), nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.conv(x))  # the add saves nothing: the hardswish output has no record
+
+
+def test_every_unread_value_dependent_input_is_raised_however_many_wait() -> None:
+    """More such inputs than the table holds: the ones pushed out are raised too, none is missed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ResidualHardswish() for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+    model(torch.randn(8, 8, 16, 16)).square().sum().backward()
+    opt.step()
+    masks = {name: ctl._layers[f"{name}.act"].mask_bytes for name in ("0", "1", "2", "3")}
+    ctl.detach()
+    numel = 8 * 8 * 16 * 16
+    assert all(m >= 2 * numel // 8 + 2 * numel // 8 for m in masks.values()), masks
