@@ -25,7 +25,7 @@ random draw: on BatchNorm inputs, whose error lands in few directions, single dr
 spread by up to 7x). The drift is damped and clipped because the closed form of a layer
 without parameters borrows the median output gradient, which can move the wrong way.
 
-From 2 bits up, a layer's widths share one pooled scale under the (2^b − 1)⁻² law
+Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
 (which holds per layer from 2 bits up within ~1.3x on the nets we measured; NOTE [
 Pooling the widths from 2 bits up ]). An unmeasured 1 bit comes from 2 bits by the law
 times the largest 1-bit/2-bit excess seen on any layer (8 until one is seen); an
@@ -147,7 +147,7 @@ class Calibration:
         b = int(bits)
         p = closed_form(state, fallback_g2, b)
         mine = self.measured.get(state.name, {})
-        pooled = _pooled(mine) if b >= 2 else None
+        pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
             scale, closed_scale = pooled
             step = float(2**b - 1) ** 2
@@ -285,11 +285,13 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
     spreads like a chi-square with about C degrees of freedom (C = 8 channels: single
     draws 0.26x to 2.8x of a 4-draw mean, measured). The schedule measures 2 bits at every
     probe and the other widths rarely (once, in the test), so a width's own running mean
-    can rest on one draw. The estimate for any width >= 2 is therefore the scale
+    can rest on one draw. The estimate for a width above 2 is therefore the scale
     ``V · (2^b − 1)²`` averaged over every measured width >= 2, each weighted by its
     number of draws (capped at the window): a prediction at 8 bits then rests on all the
-    layer's draws, not on its one 8-bit draw. 1 bit keeps its own measurements (it does
-    not follow the law: NOTE [ Calibration ]).
+    layer's draws, not on its one 8-bit draw. 2 bits keeps its own running mean (measured
+    at every probe, it needs no help, and the choice between 1 and 2 bits, which rests on
+    the two own measurements, stays as it was); so does 1 bit (it does not follow the law:
+    NOTE [ Calibration ]).
     """
     total = scale = closed = 0.0
     for b, m in mine.items():
