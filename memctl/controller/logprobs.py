@@ -83,7 +83,8 @@ def encode_log_probs(t: torch.Tensor, codec: Codec, bits: int, seed: int, group:
     return LogProbs(probs, floors, group)
 
 
-def decode_log_probs(record: LogProbs, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def decode_log_probs(record: LogProbs, codec: Codec, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> torch.Tensor:
     """The log-probabilities a :class:`LogProbs` holds, every finite value within its group's range."""
     p = codec.decode(record.probs).reshape(-1)
     n = p.numel()

@@ -82,6 +82,7 @@ import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
+from memctl.controller.derived import DERIVED_MAX_BITS, Derived
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
@@ -108,7 +109,7 @@ class Saved:
     __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "regions", "shape", "source",
                  "version")
 
-    def __init__(self, data: Packed | LogProbs | torch.Tensor, like: torch.Tensor,
+    def __init__(self, data: Packed | LogProbs | Derived | torch.Tensor, like: torch.Tensor,
                  regions: tuple[RegionCode, ...] = (), layer: str | None = None) -> None:
         self.data = data
         self.regions = regions
@@ -263,6 +264,8 @@ class Packer:
 
     def end_forward(self) -> None:
         """The model's forward ended: no pending input can be matched any more."""
+        for saved, source in self._regions.outputs.leftover():
+            self._raise_unread(saved, source)
         self._regions.clear()
 
     def observe(self, output: Any) -> None:
@@ -277,6 +280,10 @@ class Packer:
                     saved = pending.saved()
                     if saved is not None:
                         self._attach_region(saved, part, pending.source, pending.layer)
+                        if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+                            offers = self._regions.outputs
+                            for unread in offers.offer(pending.op, saved, pending.source, pending.version):
+                                self._raise_unread(*unread)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
@@ -296,9 +303,13 @@ class Packer:
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
         start = time.perf_counter()
-        codec: Any = self._codec(data.codec)
-        fused = _relu_code(saved) if decodes_mask(codec) else None  # NOTE [ ReLU masks ]
-        out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
+        fused = None
+        if isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
+            out = data.fn(self.unpack(data.source))
+        else:
+            codec: Any = self._codec(data.codec)
+            fused = _relu_code(saved) if decodes_mask(codec) else None  # NOTE [ ReLU masks ]
+            out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
                 f"codec {data.codec!r} decoded a {tuple(out.shape)} {out.dtype} tensor on {out.device} "
@@ -355,6 +366,9 @@ class Packer:
             rec.bit_values += 8 * t.element_size() * t.numel()
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t, layer=layer)
+        derived = self._derive(t, bits, layer, rec) if part is None else None
+        if derived is not None:
+            return derived
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         try:
@@ -395,6 +409,59 @@ class Packer:
         self.timings.observe_encode(time.perf_counter() - start)
         return p, region
 
+    def _derive(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep) -> Saved | None:
+        """``t`` kept as its op's input record raised by ``bits`` (NOTE [ Outputs recomputed ... ])."""
+        offer = self._regions.outputs.take(t)
+        if offer is None or self._config.codec is CodecMode.ERRORBOUND:
+            return None
+        source_saved, source, fn, key = offer
+        old = source_saved.data
+        if not isinstance(old, Packed) or old.codec != "quantize":
+            return None
+        raised = min(DERIVED_MAX_BITS, int(old.params["bits"]) + int(bits))
+        start = time.perf_counter()
+        try:
+            if key not in self._regions.outputs.verified:
+                if not torch.equal(fn(source.detach()), t.detach()):
+                    return None  # f not rebuilt exactly from the node: keep y's own record
+                self._regions.outputs.verified.add(key)
+            self._counter += 1
+            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+            p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
+            self._on_fallback(layer, exc)
+            return None
+        self.timings.observe_encode(time.perf_counter() - start)
+        source_saved.data = p
+        rec.bit_values += bits * t.numel()
+        rec.packed_bytes += p.nbytes - old.nbytes  # the bytes y's own record would have held
+        self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
+        return Saved(Derived(source_saved, fn), t, layer=layer)
+
+    def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
+        """A value-dependent op's input at twice its bits when no record holds its output.
+
+        NOTE [ Outputs recomputed from the input ]: with no output record to take the bits
+        from, the extra bits are the layer's own, counted as its ``mask_bytes`` (priced).
+        """
+        old = saved.data
+        if not isinstance(old, Packed) or old.codec != "quantize" or saved.layer is None:
+            return
+        raised = min(DERIVED_MAX_BITS, 2 * int(old.params["bits"]))
+        if raised <= int(old.params["bits"]):
+            return
+        self._counter += 1
+        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        try:
+            p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: the record stays as it is
+            self._on_fallback(saved.layer, exc)
+            return
+        saved.data = p
+        rec = self.record(saved.layer)
+        rec.packed_bytes += p.nbytes - old.nbytes
+        rec.mask_bytes += p.nbytes - old.nbytes
+
     def _region_code(self, data: torch.Tensor, part: Partition) -> RegionCode:
         lossless = self._codec("lossless")
         return RegionCode(part, tuple(lossless.encode(plane) for plane in part.planes(data)))
@@ -405,7 +472,7 @@ class Packer:
             return
         rec = self.record(layer)
         rec.mask_bytes += part.nbytes(source.numel())
-        if not isinstance(saved.data, Packed):
+        if not isinstance(saved.data, Packed | Derived):
             return  # kept uncompressed: exact already, the bytes only price the choice
         try:
             region = self._region_code(source.detach(), part)

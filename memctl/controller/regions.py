@@ -77,6 +77,7 @@ from typing import Any
 import torch
 
 from memctl.codecs.base import mask_floor
+from memctl.controller.derived import DerivableOutputs
 
 __all__ = ["PENDING", "RELU", "Interval", "Partition", "RegionCode", "RegionTracker", "result_partition"]
 
@@ -338,6 +339,8 @@ class _Pending:
     saved: weakref.ref[Any]
     """Weak: a record autograd has dropped must die (NOTE [ Micro-batches ] tracks liveness)."""
     layer: str
+    op: Any = None
+    """The table op's node, once matched."""
 
 
 class RegionTracker:
@@ -345,9 +348,12 @@ class RegionTracker:
 
     def __init__(self) -> None:
         self._pending: dict[_Key, _Pending] = {}
+        self.outputs = DerivableOutputs()
+        """Matched ops whose output may be recomputed (NOTE [ Outputs recomputed from the input ])."""
 
     def clear(self) -> None:
         self._pending.clear()
+        self.outputs.clear()
 
     def note(self, t: torch.Tensor, saved: Any, layer: str) -> None:
         """Remember a packed float tensor as a possible input of a table op."""
@@ -389,6 +395,7 @@ class RegionTracker:
                         part = input_partition(node)
                         del self._pending[(id(edges[0][0]), int(edges[0][1]))]
                         if part is not None and hit.source._version == hit.version:
+                            hit.op = node
                             found.append((hit, part))
                 nxt.extend(e[0] for e in edges if e[0] is not None)
             if not nxt or not self._pending:

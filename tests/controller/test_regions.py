@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import memctl
-from memctl.controller import packing
+from memctl.controller import derived, packing
 from memctl.controller.regions import Partition, RegionTracker, input_partition, result_partition
 
 # -- the ops, their thresholds, and torch's derivative on each branch ---------------------------
@@ -134,6 +136,29 @@ def test_relu_result_region_keeps_exact_zeros(shape: list[int], data: st.DataObj
     assert torch.equal(v[y == 0], torch.zeros_like(v[y == 0]))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(n for n in OPS if n != "threshold")),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    data=st.data(),
+)
+def test_output_function_rebuilds_the_op(name: str, shape: list[int], data: st.DataObject) -> None:
+    """f rebuilt from the node (NOTE [ Outputs recomputed from the input ]) is the op, bit for bit."""
+    n = math.prod(shape)
+    value = st.one_of(st.sampled_from(_near(OPS[name][1])), st.floats(-8.0, 8.0, width=32))
+    x = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32).view(shape)
+    y = OPS[name][0](x.requires_grad_(True) * 1.0)
+    fn = derived.output_function(y.grad_fn)
+    assert fn is not None, name
+    assert torch.equal(fn(x.detach()), y.detach())
+
+
+def test_threshold_output_is_not_rebuilt() -> None:
+    """threshold's node does not save the replacement value: its output keeps its own record."""
+    x = torch.randn(4, requires_grad=True) * 1.0
+    assert derived.output_function(F.threshold(x, 0.3, -2.0).grad_fn) is None
+
+
 def test_code_widths() -> None:
     assert _partition("hardswish").bits == 2 and _partition("abs").bits == 2
     assert all(_partition(n).bits == 1 for n in OPS if n not in ("hardswish", "abs"))
@@ -244,11 +269,11 @@ class _ConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def _weight_grad(name: str, bits: int | None) -> torch.Tensor:
-    torch.manual_seed(0)
+def _weight_grad(name: str, bits: int | None, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
     model = _ConvNet(ACTIVATIONS[name])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + 100 * seed)
     x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
     ctl = None
     if bits is not None:
@@ -281,10 +306,110 @@ def test_two_bit_cosine_gains_from_region_codes(name: str, monkeypatch: pytest.M
     assert with_codes > _cosine(_weight_grad(name, 2), ref)
 
 
-@pytest.mark.parametrize("name", ["threshold", "hardsigmoid"])
+def _seed_cosines(name: str, seeds: int = 4) -> list[float]:
+    """2-bit weight-gradient cosine on the conv net, one per seed (model, batch and codec draws)."""
+    out = []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        cos = _cosine(_weight_grad(name, 2, seed), _weight_grad(name, None, seed))
+        out.append(cos)
+    return out
+
+
+@functools.cache
+def _relu_cosines() -> tuple[float, ...]:
+    return tuple(_seed_cosines("relu"))
+
+
+# elu/celu (about 0.002 under ReLU's), selu, hardtanh and softshrink are not here: even with the
+# activation's input and output kept exact their net stays under ReLU's (benchmarks/README.md).
+@pytest.mark.parametrize("name", ["threshold", "hardsigmoid", "relu6", "leaky_relu", "prelu", "hardshrink",
+                                  "hardswish"])
 def test_two_bit_cosine_reaches_relus(name: str) -> None:
-    ref_relu = _cosine(_weight_grad("relu", 2), _weight_grad("relu", None))
-    assert _cosine(_weight_grad(name, 2), _weight_grad(name, None)) >= ref_relu
+    """Mean over seeds at least ReLU's, less two standard errors of the paired seed differences."""
+    relu, got = _relu_cosines(), _seed_cosines(name)
+    diffs = [a - b for a, b in zip(got, relu, strict=True)]
+    mean = statistics.fmean(diffs)
+    margin = 2.0 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    assert mean >= -margin, (name, got, relu)
+
+
+def _separate_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(derived.DerivableOutputs, "take", lambda self, t: None)
+    monkeypatch.setattr(derived.DerivableOutputs, "leftover", lambda self: [])
+
+
+@pytest.mark.parametrize("name", ["hardswish", "elu", "celu", "selu", "hardtanh", "softshrink"])
+def test_two_bit_cosine_gains_from_recomputed_outputs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Outputs recomputed from the input ]: better on every seed than separate records."""
+    joint = _seed_cosines(name, seeds=3)
+    _separate_records(monkeypatch)
+    separate = _seed_cosines(name, seeds=3)
+    assert all(a > b for a, b in zip(joint, separate, strict=True)), (joint, separate)
+
+
+def _head_net(act: nn.Module) -> nn.Module:
+    return nn.Sequential(_Scale(4096), act, nn.Linear(4096, 64))
+
+
+def _packed(model: nn.Module, bits: int | None) -> tuple[dict[str, int], torch.Tensor]:
+    """Per-layer packed bytes and the linear layer's weight gradient (plain PyTorch when ``bits`` is None)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)) * 2.0
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+    layers = {}
+    if ctl is not None:
+        layers = {e["name"]: e["packed_bytes"] for e in ctl.stats()["layers"]}
+        ctl.detach()
+    weight = model[2].weight
+    assert weight.grad is not None
+    return layers, weight.grad.clone()
+
+
+@pytest.mark.parametrize("act", [nn.Hardswish, nn.ELU, nn.ReLU6])
+def test_recomputed_output_costs_no_more_and_is_read_at_twice_the_bits(
+        act: Callable[[], nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _head_net(act())
+    plain_grad = _packed(model, None)[1]
+    joint, joint_grad = _packed(model, 2)
+    _separate_records(monkeypatch)
+    separate, separate_grad = _packed(model, 2)
+    assert sum(joint.values()) <= sum(separate.values()), (joint, separate)
+    # the next layer reads f(x) at 4 bits instead of f(x)'s own 2 bits: a smaller weight-gradient error
+    err = float((joint_grad - plain_grad).norm() / (separate_grad - plain_grad).norm())
+    assert err < 0.6, err
+
+
+def test_an_output_function_that_misses_the_output_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _head_net(nn.Hardswish())
+    monkeypatch.setitem(derived._FORWARD, "HardswishBackward0", lambda node: torch.relu)
+    wrong, wrong_grad = _packed(model, 2)
+    _separate_records(monkeypatch)
+    separate, separate_grad = _packed(model, 2)
+    assert wrong == separate
+    assert torch.equal(wrong_grad, separate_grad)
+
+
+def test_value_dependent_input_with_unsaved_output_is_raised_and_priced() -> None:
+    """Hardswish before a mean (whose backward saves nothing): its input at 4 bits, priced as mask bytes."""
+    torch.manual_seed(0)
+    model = _ConvNet(nn.Hardswish)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+    F.cross_entropy(model(torch.randn(16, 3, 16, 16)), torch.randint(0, 10, (16,))).backward()
+    opt.step()
+    a1, a2 = ctl._layers["a1"].mask_bytes, ctl._layers["a2"].mask_bytes
+    ctl.detach()
+    numel = 16 * 16 * 16 * 16
+    assert a1 == 2 * numel // 8  # output saved by c2: the region code only
+    assert a2 >= 2 * numel // 8 + 2 * numel // 8  # region code plus two more bits per value
 
 
 def test_region_bytes_are_priced_in_the_layer_accounting() -> None:
@@ -299,3 +424,26 @@ def test_region_bytes_are_priced_in_the_layer_accounting() -> None:
     state = ctl._layers["a1"]
     ctl.detach()
     assert state.mask_bytes == 2 * numel // 8  # hardswish: a 2-bit code on the saved input
+
+
+class _ResidualHardswish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.act = nn.Conv2d(8, 8, 1), nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.conv(x))  # the add saves nothing: the hardswish output has no record
+
+
+def test_every_unread_value_dependent_input_is_raised_however_many_wait() -> None:
+    """More such inputs than the table holds: the ones pushed out are raised too, none is missed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ResidualHardswish() for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+    model(torch.randn(8, 8, 16, 16)).square().sum().backward()
+    opt.step()
+    masks = {name: ctl._layers[f"{name}.act"].mask_bytes for name in ("0", "1", "2", "3")}
+    ctl.detach()
+    numel = 8 * 8 * 16 * 16
+    assert all(m >= 2 * numel // 8 + 2 * numel // 8 for m in masks.values()), masks

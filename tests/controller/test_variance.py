@@ -77,14 +77,12 @@ def test_predicted_variance_matches_measurement_within_2x() -> None:
             continue  # a layer whose compression changes nothing (dropout's mask is lossless)
         ratios[(name, b)] = predicted / measured
     assert len(ratios) >= 40
-    # 1 and 2 bits (where the closed form fails worst): within 2x on every layer
-    low = {k: r for k, r in ratios.items() if k[1] <= 2}
-    assert all(0.5 <= r <= 2.0 for r in low.values()), low
-    # 4 and 8 bits: BatchNorm inputs' single draws are heavy-tailed (their error lands in a
-    # few directions), so a few pairs miss 2x; none misses 4x, and nine in ten are within 2x
-    assert all(0.25 <= r <= 4.0 for r in ratios.values()), ratios
-    within = sum(0.5 <= r <= 2.0 for r in ratios.values())
-    assert within >= 0.85 * len(ratios), ratios
+    assert {b for _, b in ratios} == {1, 2, 4, 8}
+    assert sum(name.endswith(("bn", "bn1", "bn2")) for name, _ in ratios) >= 16  # BatchNorm inputs
+    # every layer and bit width within 2x; at 4 and 8 bits the prediction pools the layer's
+    # draws at every width from 2 bits up (NOTE [ Pooling the widths from 2 bits up ])
+    missed = {k: r for k, r in ratios.items() if not 0.5 <= r <= 2.0}
+    assert missed == {}, ratios
 
 
 def test_closed_form_alone_is_far_from_measurement() -> None:

@@ -1,0 +1,263 @@
+"""Outputs of piecewise activations recomputed from their saved input (no payload of their own).
+
+NOTE [ Outputs recomputed from the input ]
+An op of the region table that saves its *input* ``x`` (hardswish, ELU/SELU/CELU,
+hardtanh/ReLU6, leaky_relu, ...) is usually followed by a layer that saves its *output*
+``y = f(x)`` (the next convolution or linear layer). Compressed separately, the two
+records each carry their own quantisation error at the layers' bits ``b_x`` and ``b_y``:
+the op's backward reads the derivative off ``x̂`` (for hardswish ``x/3 + 1/2``, for ELU
+``exp(x)``: inside a region it depends on the value, so the region code alone cannot
+make it exact), and the next layer's weight gradient reads ``ŷ``. At 2 bits both errors
+are large, and the whole-model gradient of such a net fell well below a ReLU net's,
+whose derivative is exact and whose output is half exact zeros.
+
+``y`` holds no information that ``x`` lacks, so memctl spends the bits on one record
+instead of two: when ``y`` is packed and it is the direct output (``y.grad_fn`` is the
+op's node) of a table op whose input record is a quantised payload, ``x`` is encoded
+again at ``min(8, b_x + b_y)`` bits and ``y``'s record keeps no payload; unpacking it
+decodes ``x̂`` (projected into its regions) and applies ``f`` with the node's own
+parameters. The bytes are those of the two records before (``b_x + b_y`` bits per
+value), the error of both reads is that of one record at twice the bits (the step
+shrinks about 5x from 2 to 4 bits), and ``f`` is Lipschitz on the regions, so ``ŷ``'s
+error is at most ``x̂``'s times ``f'`` (ELU's negative branch shrinks it by ``exp(x)``).
+The extra bytes of ``x``'s record are counted in ``y``'s layer, which still prices
+``b_y`` bits per value of ``y``: the allocation's per-layer accounting is unchanged.
+
+Alternatives tried on the conv net of ``benchmarks/activations.py`` (2 bits, 5 seeds;
+one-off experiments, not kept as benchmark modes):
+quantising ``x``'s derivative coordinate (``x`` for hardswish, ``exp(x)`` for ELU) over
+the region's fixed range at the same bits changed nothing for hardswish (0.941, its
+group range is about the region's); even an *exact* ``x`` left the net at 0.963 against
+ReLU's 0.985, because the next layer's ``ŷ`` (no exact zeros, a wider range than a ReLU
+output) carries the rest of the error. Computing ``x`` from ``ŷ`` was not tried:
+hardswish's inverse is ill-conditioned at its vertex. Recomputing ``ŷ`` from a finer
+``x̂`` gained on every op of the table (figures in benchmarks/README.md).
+
+An input of a *value-dependent* op (hardswish, ELU/SELU/CELU: the derivative varies
+inside a region) whose output no record holds (the op feeds a mean, a sum or a residual
+add, whose backward saves nothing) has no second record to take bits from; at the end of
+the forward it is encoded again at twice its bits (at most 8) on its own, and the extra
+bytes count as the layer's ``mask_bytes``, so the allocation prices them from the next
+step on. At most two matched inputs are held, raw, waiting for their output to be
+saved (as for the pending inputs); one pushed out by a third is raised then. On the
+conv net this costs 10.5x -> 9.4x (hardswish) and 12.0x -> 10.6x (ELU) at 2 bits, and
+brings the hardswish net's cosine from 0.975 to 0.988.
+
+Not derived (today's path): ``y`` saved at kept-exact bits or by the error-bound codec
+(``f`` can stretch an absolute bound by its slope, 1.5 for hardswish), ``x`` kept as a
+copy, ``x`` modified in place since it was packed, ops whose forward cannot be rebuilt
+from the node (``threshold`` does not save its replacement value) or whose rebuilt ``f``
+does not reproduce ``y`` bit for bit (checked the first time an op is seen per dtype and
+device type, so that the check's device-to-host read is paid once), and outputs that
+are not the op's own result (a view or a later op's). Calibration replays one layer at a
+time and does not raise the unread inputs, so its measured variance is that of the
+separate records at the layers' own bits (an overestimate for the records derived or
+raised in training: it errs towards more bits).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DERIVED_MAX_BITS", "DerivableOutputs", "Derived", "output_function"]
+
+DERIVED_MAX_BITS = 8
+"""The most bits the input record is raised to (NOTE [ Outputs recomputed from the input ])."""
+
+Function = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _f(node: Any, name: str) -> float:
+    return float(getattr(node, name))
+
+
+def _hardtanh(node: Any) -> Function:
+    lo, hi = _f(node, "_saved_min_val"), _f(node, "_saved_max_val")
+    return lambda x: F.hardtanh(x, lo, hi)
+
+
+def _leaky(node: Any) -> Function:
+    slope = _f(node, "_saved_negative_slope")
+    return lambda x: F.leaky_relu(x, slope)
+
+
+def _elu(node: Any) -> Function:
+    alpha, scale = _f(node, "_saved_alpha"), _f(node, "_saved_scale")
+    input_scale = _f(node, "_saved_input_scale")
+    return lambda x: torch.ops.aten.elu(x, alpha, scale, input_scale)
+
+
+def _celu(node: Any) -> Function:
+    alpha = _f(node, "_saved_alpha")
+    return lambda x: F.celu(x, alpha)
+
+
+def _clamp(node: Any) -> Function | None:
+    lo, hi = node._saved_min, node._saved_max
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        return None
+    return lambda x: x.clamp(lo, hi)
+
+
+def _clamp_min(node: Any) -> Function:
+    lo = _f(node, "_saved_min")
+    return lambda x: x.clamp_min(lo)
+
+
+def _clamp_max(node: Any) -> Function:
+    hi = _f(node, "_saved_max")
+    return lambda x: x.clamp_max(hi)
+
+
+def _prelu(node: Any) -> Function:
+    weight = node._saved_weight.detach()  # already shaped to broadcast over x
+    return lambda x: torch.where(x > 0, x, weight.to(x.dtype) * x)
+
+
+def _rrelu(node: Any) -> Function | None:
+    lower, upper = _f(node, "_saved_lower"), _f(node, "_saved_upper")
+    if bool(node._saved_training) and upper - lower > 1e-6:
+        return None  # training mode: the slope is per-value noise
+    slope = (lower + upper) / 2.0
+    return lambda x: F.leaky_relu(x, slope)
+
+
+def _shrink(op: Callable[[torch.Tensor, float], torch.Tensor]) -> Callable[[Any], Function]:
+    def rule(node: Any) -> Function:
+        lam = _f(node, "_saved_lambd")
+        return lambda x: op(x, lam)
+
+    return rule
+
+
+# grad_fn name -> the op's forward, rebuilt from the node's saved parameters.
+_FORWARD: dict[str, Callable[[Any], Function | None]] = {
+    "HardswishBackward0": lambda node: F.hardswish,
+    "HardsigmoidBackward0": lambda node: F.hardsigmoid,
+    "HardtanhBackward0": _hardtanh,
+    "LeakyReluBackward0": _leaky,
+    "RreluWithNoiseBackward0": _rrelu,
+    "EluBackward0": _elu,
+    "CeluBackward0": _celu,
+    "ClampBackward1": _clamp,
+    "ClampMinBackward0": _clamp_min,
+    "ClampMaxBackward0": _clamp_max,
+    "PreluKernelBackward0": _prelu,
+    "AbsBackward0": lambda node: torch.abs,
+    "HardshrinkBackward0": _shrink(F.hardshrink),
+    "SoftshrinkBackward0": _shrink(F.softshrink),
+}
+
+
+def output_function(node: Any) -> Function | None:
+    """``f`` with ``y = f(x)`` for a table op's node that saved its input ``x`` (else None)."""
+    rule = _FORWARD.get(type(node).__name__)
+    if rule is None:
+        return None
+    try:
+        return rule(node)
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class Derived:
+    """A saved output with no payload: ``fn`` applied to the decoded input record ``source``."""
+
+    source: Any
+    """The input's ``Saved`` record (strong: ``y``'s backward runs before ``x``'s)."""
+    fn: Function
+
+    @property
+    def codec(self) -> str:
+        return "derived"
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+_Key = tuple[str, torch.dtype, str]
+_Unread = tuple[Any, torch.Tensor]
+"""An input record and its input, of a value-dependent op whose output no record holds."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Offer:
+    node: Any
+    saved: weakref.ref[Any]
+    source: torch.Tensor
+    version: int
+    fn: Function
+
+
+class DerivableOutputs:
+    """Table ops whose input record may serve their output too (NOTE [ Outputs recomputed ... ]).
+
+    Entries hold the op's node and its input strongly, like the pending inputs of
+    :class:`~memctl.controller.regions.RegionTracker`, and are dropped with them.
+    """
+
+    def __init__(self) -> None:
+        self._offers: dict[int, _Offer] = {}
+        self.verified: set[_Key] = set()
+        """Ops (and dtype, device type) whose rebuilt ``f`` reproduced ``y`` once: checked no more."""
+
+    def clear(self) -> None:
+        self._offers.clear()
+
+    def offer(self, node: Any, saved: Any, source: torch.Tensor, version: int) -> list[_Unread]:
+        """The op ``node`` saved ``source`` (now recorded as ``saved``).
+
+        Returns what :meth:`leftover` would for the offers this one pushes out of the table
+        (at most :data:`_OFFERS` inputs are held, as for the pending inputs).
+        """
+        fn = output_function(node)
+        if fn is None:
+            return []
+        self._offers.pop(id(node), None)
+        self._offers[id(node)] = _Offer(node, weakref.ref(saved), source, version, fn)
+        evicted = []
+        while len(self._offers) > _OFFERS:
+            evicted.append(self._offers.pop(next(iter(self._offers))))
+        return _unread(evicted)
+
+    def leftover(self) -> list[_Unread]:
+        """``(input record, input)`` of value-dependent ops whose output nobody saved; clears the table."""
+        out = _unread(list(self._offers.values()))
+        self._offers.clear()
+        return out
+
+    def take(self, t: torch.Tensor) -> tuple[Any, torch.Tensor, Function, _Key] | None:
+        """``(input record, input, f, key of verified)`` when ``t`` is the direct output of an offered op."""
+        node = t.grad_fn
+        if node is None or int(t.output_nr) != 0 or not self._offers:
+            return None
+        offer = self._offers.pop(id(node), None)
+        if offer is None or offer.node is not node or offer.source._version != offer.version:
+            return None
+        saved = offer.saved()
+        key = (type(node).__name__, t.dtype, t.device.type)
+        return None if saved is None else (saved, offer.source, offer.fn, key)
+
+
+_OFFERS = 2
+
+
+def _unread(offers: list[_Offer]) -> list[_Unread]:
+    out = []
+    for offer in offers:
+        saved = offer.saved()
+        if (saved is not None and type(offer.node).__name__ in _VALUE_DEPENDENT
+                and offer.source._version == offer.version):
+            out.append((saved, offer.source))
+    return out
+
+# Ops whose derivative depends on the value inside a region (not only on the branch).
+_VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0"})
