@@ -172,11 +172,64 @@ def test_integers_narrow_exactly(dtype: torch.dtype, n: int, lo: int, span: int,
         assert p.nbytes == n + 8
 
 
-def test_maxpool_indices_shrink_8x() -> None:
+def test_maxpool_indices_shrink_32x() -> None:
     x = torch.randn(4, 8, 16, 16)
     _, idx = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
     p = LosslessCodec().encode(idx)
-    assert p.nbytes == idx.numel() + 8 < idx.numel() * 8 // 7
+    assert p.params["layout"] == "window"
+    assert p.nbytes == 2 * idx.numel() // 8  # 2 bits per index of a 2x2 window
+    assert torch.equal(LosslessCodec().decode(p), idx)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "stride", "padding", "dilation", "ceil_mode", "bits"),
+    [(2, 2, 0, 1, False, 2), (2, 2, 0, 1, True, 2), (3, 2, 1, 1, False, 4), (3, 2, 0, 1, True, 4),
+     (3, 1, 1, 1, False, 4), (2, 1, 0, 1, False, 2), (4, 4, 0, 1, False, 4), (2, 2, 0, 2, False, 4)],
+)
+@pytest.mark.parametrize("size", [(9, 9), (16, 17), (57, 56)])
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_pooling_indices_store_their_window_position(kernel: int, stride: int, padding: int, dilation: int,
+                                                     ceil_mode: bool, bits: int, size: tuple[int, int],
+                                                     impl: str) -> None:
+    g = torch.Generator().manual_seed(kernel * 100 + stride * 10 + padding + size[0])
+    x = torch.randn(4, 8, *size, generator=g)
+    _, idx = torch.nn.functional.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=ceil_mode,
+                                            return_indices=True)
+    codec = LosslessCodec()
+    p = codec.encode(idx, impl=impl)
+    assert p.params["layout"] == "window"
+    assert p.params["bits"] == bits
+    assert p.nbytes == bits * -(-idx.numel() // 8)
+    assert torch.equal(codec.decode(p, impl=impl), idx)
+    assert p.to_bytes() == codec.encode(idx, impl="reference").to_bytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=3, max_size=4).map(tuple),
+    high=st.sampled_from([2, 4, 9, 30, 300, 2**40]),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    seed=st.integers(0, 2**16),
+)
+def test_integer_tensors_that_look_like_indices_round_trip_exactly(
+    shape: tuple[int, ...], high: int, dtype: torch.dtype, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, min(high, torch.iinfo(dtype).max), shape, generator=g, dtype=torch.int64).to(dtype)
+    codec = LosslessCodec()
+    p = codec.encode(x)
+    back = codec.decode(p)
+    assert back.dtype == x.dtype
+    assert torch.equal(back, x)
+
+
+def test_indices_outside_any_window_keep_the_narrowed_layout() -> None:
+    x = torch.randn(2, 3, 16, 16)
+    _, idx = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+    idx = idx.clone()
+    idx[1, 2, 3, 4] = 255  # the last value of the plane: outside output (3, 4)'s window
+    p = LosslessCodec().encode(idx)
+    assert p.params["layout"] == "narrow8"
     assert torch.equal(LosslessCodec().decode(p), idx)
 
 

@@ -8,6 +8,9 @@ Format: one uint8 buffer ``payload``.
 - ``int16``/``int32``/``int64``: when the values span a narrower range, the values minus
   their minimum in the narrowest of 8, 16 or 32 bits (buffer ``payload``) and the minimum
   as one int64 (buffer ``offset``); NOTE [ Integer narrowing ].
+- ``int32``/``int64`` pooling indices (at least 3 dimensions) that lie inside their pooling
+  window: each value's position in its window, bit-packed (2 bits for a 2x2 window), and
+  the geometry in ``params``; NOTE [ Window codes ] in ``_window.py``.
 - every other dtype (floats, uint8, int8, complex): the raw bytes of a contiguous copy.
 
 The record is always a copy: modifying the tensor after ``encode`` (autograd no longer
@@ -25,7 +28,7 @@ import torch
 
 from memctl.codecs import _backend, _rng
 from memctl.codecs.base import Impl, Packed
-from memctl.codecs.lossless import _reference
+from memctl.codecs.lossless import _reference, _window
 from memctl.errors import CodecError
 
 __all__ = ["LosslessCodec", "LosslessConfig"]
@@ -90,6 +93,11 @@ class LosslessCodec:
         if t.dtype is torch.bool:
             buffers["payload"] = self._pack(chosen, flat.contiguous())
             layout = "bits"
+        elif (window := _window.find_window(t.detach())) is not None:
+            planes = _window.codes(t.detach(), window)
+            buffers["payload"] = torch.cat([self._pack(chosen, plane.contiguous()) for plane in planes])
+            return Packed(codec=_NAME, shape=tuple(t.shape), dtype=t.dtype, device=t.device, buffers=buffers,
+                          params={"layout": "window", "bits": window.bits, **window.to_params()})
         else:
             narrowed = _narrow(flat)
             if narrowed is not None:
@@ -118,6 +126,12 @@ class LosslessCodec:
         chosen = _backend.resolve_impl(impl, p.device)
         if p.dtype is torch.bool:
             flat = self._unpack(chosen, payload, p.numel)
+        elif p.params.get("layout") == "window":
+            window = _window.Window.from_params(p.params)
+            size = -(-p.numel // 8)
+            planes = [self._unpack(chosen, payload[b * size:(b + 1) * size], p.numel)
+                      for b in range(window.bits)]
+            flat = _window.indices(planes, window, p.shape, p.dtype)
         elif str(p.params.get("layout", "")).startswith("narrow"):
             flat = _widen(payload, p.buffers["offset"], p.dtype, int(str(p.params["layout"])[6:]))
         else:
