@@ -66,6 +66,21 @@ Cost: each replay is one forward and backward. Calibration spends at most
 ``calibration_fraction`` of the training time (measured by the clock, unused time
 carries over), at least one layer measurement per probe, so a large model is
 calibrated over a number of intervals, largest layers first, 2 bits before 1.
+See NOTE [ Probe cost ] for how the share is kept.
+
+NOTE [ Probe cost ]
+~~~~~~~~~~~~~~~~~~~
+A probe has fixed replays that no allowance can drop: the exact gradient, the
+allocation in use and the two half batches (four forward-and-backward passes, seven
+while layers are unmeasured), plus at least one layer. At one probe per
+``allocation_interval`` (10) steps that alone is 40-70% of the training time,
+whatever ``calibration_fraction`` says. So what a probe spends beyond its share is a
+debt: the carry goes negative, and a probe is due only once the time trained since the
+last one has paid it back (``affords``); the skipped steps' time keeps accruing. The
+share is ``calibration_fraction`` while any layer is unmeasured, and a fifth of it
+afterwards: the measurements then only follow drift, and a long run should not pay a
+quarter of its time for that. Under a process group every rank must probe at the same
+steps, so ranks keep one probe per allocation step (NOTE [ Calibration across ranks ]).
 """
 
 from __future__ import annotations
@@ -124,6 +139,8 @@ class Calibration:
         (NOTE [ Unmeasured layers ])."""
         self.replay_s: float | None = None
         self.carry_s = 0.0
+        self.complete: bool | None = None
+        """Whether every layer was measured, as the last probe saw it (None before one)."""
         self.probes = 0
         self._disabled = False
 
@@ -194,8 +211,12 @@ class Calibration:
         return p if largest is None else largest * p
 
     def unmeasured(self, layers: Iterable[LayerState]) -> bool:
-        """Whether any of ``layers`` has no measurement yet."""
-        return any(not self.measured.get(s.name) for s in layers)
+        """Whether any of ``layers`` has no measurement yet (also kept as :attr:`complete`)."""
+        layers = list(layers)
+        missing = any(not self.measured.get(s.name) for s in layers)
+        if layers:
+            self.complete = not missing
+        return missing
 
     def fit_width(self, bits: int, added: float, layers: Iterable[LayerState], fallback_g2: float) -> None:
         """Fit the unmeasured layers' factor at ``bits`` to ``added``, measured with every layer at
@@ -271,9 +292,19 @@ class Calibration:
             pairs.extend((name, b) for _, name, b in stale)
         return pairs[:max(limit, 0)]
 
+    def share(self) -> float:
+        """The share of training time probes may take now (NOTE [ Probe cost ])."""
+        fraction = self._config.calibration_fraction
+        return fraction if not self.complete else fraction / 5.0
+
+    def affords(self, train_s: float) -> bool:
+        """Whether a probe is due by its time budget: the first always, then once the debt
+        of the last is paid (NOTE [ Probe cost ])."""
+        return self.probes == 0 or self.carry_s + self.share() * max(train_s, 0.0) >= 0.0
+
     def allowance(self, train_s: float, fixed_replays: int) -> int:
         """How many layer measurements this probe may run (at least one)."""
-        budget = self.carry_s + self._config.calibration_fraction * max(train_s, 0.0)
+        budget = self.carry_s + self.share() * max(train_s, 0.0)
         per = self.replay_s if self.replay_s else None
         if per is None or per <= 0:
             return 1
@@ -281,10 +312,11 @@ class Calibration:
         return max(1, min(n, self._config.calibration_max_replays))
 
     def spend(self, train_s: float, spent_s: float) -> None:
-        """Carry the unused share of the time budget to the next probe (at most 20 steps' worth)."""
-        budget = self.carry_s + self._config.calibration_fraction * max(train_s, 0.0)
-        cap = self._config.calibration_fraction * max(train_s, 0.0) * 20
-        self.carry_s = min(max(budget - spent_s, 0.0), cap)
+        """Carry the unused share of the time budget to the next probe (at most 20 steps' worth),
+        or what was overspent as a debt (NOTE [ Probe cost ])."""
+        budget = self.carry_s + self.share() * max(train_s, 0.0)
+        cap = self.share() * max(train_s, 0.0) * 20
+        self.carry_s = min(budget - spent_s, cap)
 
     def time_replay(self, seconds: float) -> None:
         self.replay_s = _ema(self.replay_s, seconds)

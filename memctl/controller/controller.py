@@ -472,7 +472,11 @@ class Controller:
         if not self._calibration.enabled or self._packer.fsdp.active:
             return False
         k = self.config.allocation_interval
-        return self._step % k == 0 or self._allocation is None
+        if not (self._step % k == 0 or self._allocation is None):
+            return False
+        # One process skips a probe until its time budget allows it (NOTE [ Probe cost ]);
+        # ranks must all probe at the same steps.
+        return self._ranks is not None or self._calibration.affords(self._train_s)
 
     def _calibrate_and_guard(self) -> bool:
         """Run a due calibration probe and the convergence guard; True if the guard raised bits."""

