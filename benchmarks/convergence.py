@@ -36,7 +36,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import time
@@ -47,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ROOT = Path(__file__).resolve().parents[1]
 _HERE = Path(__file__).resolve().parent
 CONFIGS = ("plain", "default", "bits2", "bits4")
 TASKS = ("digits", "text")
@@ -275,19 +273,7 @@ def _run_config(task: str, config: str, steps: int, seed: int, timeout: float, t
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", task, config, "--steps", str(steps),
            "--seeds", str(seed), "--threads", str(threads)] + (["--observe-loss"] if observe_loss else [])
     cmd += [arg for option in options for arg in ("--option", option)]
-    env = dict(os.environ)
-    if threads > 0:
-        env["NUMBA_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")])
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"task": task, "config": config, "seed": seed, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return dict(json.loads(line[7:]))
-    tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-    return {"task": task, "config": config, "seed": seed, "error": f"exit {proc.returncode}: {tail[0][:160]}"}
+    return dict(_fidelity().run_child(cmd, threads, timeout, {"task": task, "config": config, "seed": seed}))
 
 
 HEADER = (f"{'task':7s} {'config':8s} {'seed':>4s} {'val_loss':>9s} {'vs_plain':>9s} {'acc%':>6s} "

@@ -492,6 +492,12 @@ def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int
                 timeout: float, threads: int) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, config, "--steps", str(steps),
            "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads)]
+    return run_child(cmd, threads, timeout, {"model": model, "config": config})
+
+
+def run_child(cmd: list[str], threads: int, timeout: float, tags: dict[str, Any]) -> dict[str, Any]:
+    """Run one worker process (``threads`` > 0 pins torch's and Numba's pools) and return the
+    dict of its ``RESULT`` line, or ``tags`` with an ``error`` when it timed out or printed none."""
     env = dict(os.environ)
     if threads > 0:
         env["NUMBA_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(threads)
@@ -499,12 +505,12 @@ def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"model": model, "config": config, "error": f"timed out after {timeout:.0f} s"}
+        return {**tags, "error": f"timed out after {timeout:.0f} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return dict(json.loads(line[7:]))
     tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-    return {"model": model, "config": config, "error": f"exit {proc.returncode}: {tail[0][:160]}"}
+    return {**tags, "error": f"exit {proc.returncode}: {tail[0][:160]}"}
 
 
 def _mean(xs: list[float]) -> float:
