@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 from memctl.controller.stats import LayerStep
 
 __all__ = ["MicroBatch", "Peak", "peak_basis"]
+
+_T = TypeVar("_T")
 
 
 class MicroBatch:
@@ -51,9 +53,12 @@ class MicroBatch:
     def empty(self) -> bool:
         return not self.records and not self.samples
 
-    def track(self, saved: object) -> None:
-        """Count ``saved`` as live until autograd (or the user) drops it."""
-        self.refs.add(weakref.ref(saved, self._discard))
+    def track(self, saved: _T) -> weakref.ref[_T]:
+        """Count ``saved`` as live until autograd (or the user) drops it; returns the weak
+        reference, which the de-duplication table shares (one per record)."""
+        ref = weakref.ref(saved, self._discard)
+        self.refs.add(ref)
+        return ref
 
     def nbytes(self) -> int:
         return sum(r.packed_bytes + r.other_bytes for r in self.records.values())

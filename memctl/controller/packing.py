@@ -22,11 +22,23 @@ silently wrong gradients after an in-place op (docs/design.md, "Pack: what is co
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
 second save with the same storage, offset, shape, stride, dtype and version reuses the
-first record. The table holds weak references to both the first tensor and the record,
-and an entry is reused only while both are alive: a new tensor that happens to reuse a
+first record. The table holds a weak reference to the record (the one its micro-batch
+tracks it by), and the record one to the first tensor; an entry is reused only while
+both are alive: a new tensor that happens to reuse a
 freed address is never mistaken for the old one, and the table never keeps a record
 alive after autograd has freed it (with gradient accumulation every micro-batch's
 records would otherwise stay until the optimizer step; NOTE [ Micro-batches ]).
+
+NOTE [ Pack path cost ]
+The pack hook runs once per saved tensor: a 2-layer GRU saves ~900 per step, so every
+microsecond here is about a millisecond per step. The hook therefore reads each tensor
+attribute once (``grad_fn``, ``numel``, ``nbytes``), leaves ``detach()`` to the codec (which
+detaches anyway), counts a record's bytes from its buffers' ``nbytes``, and keeps one
+weak reference per record (shared by the de-duplication table and the micro-batch) and
+no per-record tuples: each object a record keeps alive through the forward is tracked
+by Python's garbage collector, survives its young-generation passes and makes the
+full collections (~0.1 s each with torch imported) come sooner. Where the rest of the
+time goes, per tensor and per step: ``benchmarks/overhead.py``.
 
 NOTE [ ReLU masks ]
 Generalised to every op whose backward branches on its saved tensor: see
@@ -100,7 +112,8 @@ _log = logging.getLogger("memctl.controller")
 # grad_fn names of ops whose saved output is never quantised (NOTE [ What is compressed ]).
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
 
-_DedupKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
+_DedupKey = tuple[int, Any, torch.Size, tuple[int, ...], torch.dtype, torch.device, int]
+_current_node = torch._C._current_autograd_node
 
 
 class Saved:
@@ -115,7 +128,8 @@ class Saved:
         self.regions = regions
         self.layer = layer
         """The layer whose bits decide this record (None: not under the allocation's control)."""
-        self.shape = tuple(like.shape)  # a plain tuple of ints, which the garbage collector stops tracking
+        # a plain tuple of ints (which the garbage collector stops tracking): the record's own when packed
+        self.shape = data.shape if type(data) is Packed else tuple(like.shape)
         self.dtype = like.dtype
         self.device = like.device
         # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
@@ -142,7 +156,7 @@ class Packer:
         self._param_ptrs: frozenset[int] = frozenset()
         self._param_tensors: list[torch.Tensor] = []
         self._param_data: list[int] = []
-        self._seen: dict[_DedupKey, tuple[weakref.ref[torch.Tensor], weakref.ref[Saved]]] = {}
+        self._seen: dict[_DedupKey, weakref.ref[Saved]] = {}
         self._micro = MicroBatch()
         self._done: list[MicroBatch] = []
         self._step: dict[str, LayerStep] = self._micro.records
@@ -194,7 +208,7 @@ class Packer:
             self._done.append(self._micro)
             self._micro = MicroBatch([b for b in self._done if b.live])
             self._step = self._micro.records
-            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
+            self._seen = {k: v for k, v in self._seen.items() if _alive(v)}
         self._micro.samples += samples
 
     @property
@@ -224,27 +238,27 @@ class Packer:
 
     # -- hooks -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Saved | SavedRef | torch.Tensor:
-        """Pack hook (see NOTE [ What is compressed ])."""
-        if t.layout != torch.strided or t.device.type == "meta":
+        """Pack hook (see NOTE [ What is compressed ]; its cost: NOTE [ Pack path cost ])."""
+        if t.layout != torch.strided or t.is_meta:
             return t.detach().clone()
-        if torch._C._current_autograd_node() is not None:
+        if _current_node() is not None:
             self.passed += 1  # NOTE [ Distributed parameters and recomputation ]
             return t
         if self.fsdp.active and self.fsdp.contains(t):
             self.passed += 1
             self.fsdp_passed += 1
             return t
-        self.observe(t)
-        ptr = local_tensor(t).untyped_storage().data_ptr()
+        if t.grad_fn is not None:
+            self._match(t)
+        ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
         if ptr in self._param_ptrs:
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
-        key: _DedupKey = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
-                          t.device, t._version)
+        key: _DedupKey = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
         hit = self._seen.get(key)
-        if hit is not None and hit[0]() is not None:
-            again = hit[1]()
-            if again is not None:
+        if hit is not None:
+            again = hit()
+            if again is not None and again.source is not None and again.source() is not None:
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer)
                 return again
@@ -254,10 +268,8 @@ class Packer:
         except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             saved = Saved(t.detach().clone(), t)
-        source = weakref.ref(t)
-        saved.source, saved.version, saved.owner = source, t._version, self._micro
-        self._micro.track(saved)
-        self._seen[key] = (source, weakref.ref(saved))
+        saved.source, saved.version, saved.owner = weakref.ref(t), t._version, self._micro
+        self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
             self._regions.note(t, saved, saved.layer)
         return saved
@@ -276,14 +288,18 @@ class Packer:
             items = list(output) if isinstance(output, tuple | list) else [output]
         for t in items:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                for pending, part in self._regions.matches(t):
-                    saved = pending.saved()
-                    if saved is not None:
-                        self._attach_region(saved, part, pending.source, pending.layer)
-                        if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
-                            offers = self._regions.outputs
-                            for unread in offers.offer(pending.op, saved, pending.source, pending.version):
-                                self._raise_unread(*unread)
+                self._match(t)
+
+    def _match(self, t: torch.Tensor) -> None:
+        """:meth:`observe` for one tensor that has a ``grad_fn``."""
+        for pending, part in self._regions.matches(t):
+            saved = pending.saved()
+            if saved is not None:
+                self._attach_region(saved, part, pending.source, pending.layer)
+                if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+                    offers = self._regions.outputs
+                    for unread in offers.offer(pending.op, saved, pending.source, pending.version):
+                        self._raise_unread(*unread)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
@@ -329,9 +345,11 @@ class Packer:
     # -- internals -------------------------------------------------------------------
     def _pack_new(self, t: torch.Tensor, layer: str) -> Saved:
         self.packs += 1
-        rec = self.record(layer)
+        rec = self._step.get(layer)
+        if rec is None:
+            rec = self.record(layer)
         rec.tensors += 1
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if not t.is_floating_point():
             try:
                 p = self._codec("lossless").encode(t)
@@ -339,31 +357,33 @@ class Packer:
                 self._on_fallback(layer, exc)
                 rec.other_bytes += nbytes
                 return Saved(t.detach().clone(), t)
-            rec.other_bytes += p.nbytes
+            rec.other_bytes += _nbytes(p)
             return Saved(p, t)
         rec.raw_bytes += nbytes
-        if self._config.log_prob_bits is not None and t.numel() >= self._config.min_numel \
-                and is_log_softmax(t):
-            kept = self._log_probs(t, layer, self._config.log_prob_bits)
+        numel = t.numel()
+        config = self._config
+        node = t.grad_fn
+        if config.log_prob_bits is not None and numel >= config.min_numel and is_log_softmax(t):
+            kept = self._log_probs(t, layer, config.log_prob_bits)
             if kept is not None:
                 rec.fixed_bytes += kept.nbytes
                 rec.packed_bytes += kept.nbytes
                 return Saved(kept, t)
-        exact = (layer == ROOT and not self._config.compress_outside) or (
-            t.grad_fn is not None and type(t.grad_fn).__name__ in _EXACT_OPS
+        exact = (layer == ROOT and not config.compress_outside) or (
+            node is not None and type(node).__name__ in _EXACT_OPS
         )
-        if exact or t.numel() < self._config.min_numel:
+        if exact or numel < config.min_numel:
             rec.fixed_bytes += nbytes
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t)
-        rec.numels.append(t.numel())
+        rec.numels.append(numel)
         rec.element_size = t.element_size()
-        part = result_partition(t.grad_fn)
-        mask_nbytes = part.nbytes(t.numel()) if part is not None else 0
+        part = result_partition(node)
+        mask_nbytes = part.nbytes(numel) if part is not None else 0
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
         if bits >= KEEP_BITS:
-            rec.bit_values += 8 * t.element_size() * t.numel()
+            rec.bit_values += 8 * nbytes
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t, layer=layer)
         derived = self._derive(t, bits, layer, rec) if part is None else None
@@ -382,8 +402,8 @@ class Packer:
             return Saved(t.detach().clone(), t)
         if region is not None:
             rec.packed_bytes += region.nbytes
-        rec.bit_values += bits * t.numel()
-        rec.packed_bytes += p.nbytes
+        rec.bit_values += bits * numel
+        rec.packed_bytes += _nbytes(p)
         self._range_stats(t, p, rec)
         return Saved(p, t, () if region is None else (region,), layer=layer)
 
@@ -400,12 +420,12 @@ class Packer:
     def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
                   seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:
         start = time.perf_counter()
-        data = t.detach()
+        # The codecs read t through t.detach() themselves.
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
-            p = self._codec("errorbound").encode(data, error_bound=error_bound)
+            p = self._codec("errorbound").encode(t, error_bound=error_bound)
         else:
-            p = self._codec("quantize").encode(data, bits=int(bits), seed=seed)
-        region = None if part is None else self._region_code(data, part)
+            p = self._codec("quantize").encode(t, bits=int(bits), seed=seed)
+        region = None if part is None else self._region_code(t.detach(), part)
         self.timings.observe_encode(time.perf_counter() - start)
         return p, region
 
@@ -496,7 +516,7 @@ class Packer:
         """
         g = self._config.group_size
         meta = p.buffers.get("meta")
-        if meta is not None and meta.dim() == 2 and meta.shape[1] == 2 and meta.dtype == torch.float32:
+        if meta is not None and meta.dtype is torch.float32 and meta.dim() == 2 and meta.size(1) == 2:
             entry = self._metas.get(id(rec))
             if entry is None:
                 self._metas[id(rec)] = (rec, [meta])
@@ -548,6 +568,20 @@ class Packer:
                 codec = _WithImpl(codec, self._config.codec_impl)
             self._codecs[name] = codec
         return codec
+
+
+def _nbytes(p: Packed) -> int:
+    """``p.nbytes`` (each buffer's ``element_size() * numel()``), without a generator."""
+    n = 0
+    for b in p.buffers.values():
+        n += b.nbytes
+    return n
+
+
+def _alive(ref: weakref.ref[Saved]) -> bool:
+    """Whether a de-duplication entry may still be reused (NOTE [ De-duplication ])."""
+    saved = ref()
+    return saved is not None and saved.source is not None and saved.source() is not None
 
 
 def _relu_code(saved: Saved) -> RegionCode | None:

@@ -34,6 +34,7 @@ default policy although every later step ran at 8 bits).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -94,7 +95,9 @@ def _choice_bytes(s: LayerState, bits: float, group_size: int) -> int:
         return sum(s.numels) * s.element_size
     from memctl.codecs.quantize.codec import packed_nbytes
 
-    return sum(packed_nbytes(n, int(bits), group_size) for n in s.numels) + s.mask_bytes
+    # Once per distinct size: a GRU's layer saves hundreds of tensors of one size per step.
+    b = int(bits)
+    return sum(packed_nbytes(n, b, group_size) * k for n, k in Counter(s.numels).items()) + s.mask_bytes
 
 
 def _choices(config: ControllerConfig, keep: bool) -> list[int]:

@@ -95,12 +95,13 @@ class LayerState:
         self.seen_steps += 1
         total = sum(step.numels)
         self.used_bits = step.bit_values / total if total else None
-        # One reduction per list, so a GPU run reads back one scalar each, not one per tensor.
+        # One reduction per list, so a GPU run reads back one scalar each, not one per tensor
+        # (a list of one, what the quantiser's records fold into, is read as it is).
         if step.mins:
-            self.vmin = float(torch.stack([m.float() for m in step.mins]).min())
-            self.vmax = float(torch.stack([m.float() for m in step.maxs]).max())
+            self.vmin = float(_fold(step.mins, torch.float32).min())
+            self.vmax = float(_fold(step.maxs, torch.float32).max())
         if step.range_terms:
-            term = float(torch.stack([t.double() for t in step.range_terms]).sum()) / self.batch
+            term = float(_fold(step.range_terms, torch.float64).sum()) / self.batch
             self.ema_range_term = _ema(self.ema_range_term, term, decay)
         if step.grad_sq:
             g2 = float(torch.stack([g.double() for g in step.grad_sq]).sum())
@@ -129,6 +130,13 @@ def median_grad_sq(layers: list[LayerState]) -> float:
     """Median smoothed ‖∇Y‖² over layers that observed one (1.0 when none did)."""
     seen = [s.ema_grad_sq for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0]
     return statistics.median(seen) if seen else 1.0
+
+
+def _fold(values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (scalar tensors) as one tensor of ``dtype``, to reduce in one read."""
+    if len(values) == 1:
+        return values[0].to(dtype)
+    return torch.stack([v.to(dtype) for v in values])
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:
