@@ -112,7 +112,7 @@ _log = logging.getLogger("memctl.controller")
 # grad_fn names of ops whose saved output is never quantised (NOTE [ What is compressed ]).
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
 
-_DedupKey = tuple[int, Any, torch.Size, tuple[int, ...], torch.dtype, torch.device, int]
+_DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
 
 
@@ -254,7 +254,8 @@ class Packer:
         if ptr in self._param_ptrs:
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
-        key: _DedupKey = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device, t._version)
+        # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
+        key: _DedupKey = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
         hit = self._seen.get(key)
         if hit is not None:
             again = hit()
@@ -311,7 +312,7 @@ class Packer:
         if saved.owner is not None:
             saved.owner.used = True
         source = saved.source() if saved.source is not None else None
-        if source is not None:
+        if source is not None and source._version != saved.version:
             check_version(source, saved.version)
         data = saved.data
         if isinstance(data, torch.Tensor):
@@ -324,7 +325,8 @@ class Packer:
             out = data.fn(self.unpack(data.source))
         else:
             codec: Any = self._codec(data.codec)
-            fused = _relu_code(saved) if decodes_mask(codec) else None  # NOTE [ ReLU masks ]
+            # NOTE [ ReLU masks ]
+            fused = _relu_code(saved) if saved.regions and decodes_mask(codec) else None
             out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
