@@ -23,7 +23,8 @@ It prints, per model: saved tensors per step (pack hook calls, and those compres
 CPU ms per step of each configuration, and memctl's cost split into "codec kernels" and
 "everything else", per saved tensor (pack and unpack hooks) and per step (the step
 boundary, and the rest: module hooks, the backward's and optimizer's own work on what
-memctl hands back, whatever is left of the total), and what the garbage collector took.
+memctl hands back, whatever is left of the total), and what the garbage collector took
+(with the number of its full collections, ~0.1 s each, which dominate that figure).
 The issue's target is "fixed per-step overhead ≤ 0.5 ms plus ≤ 20 µs per saved tensor
 outside the codec kernels"; the summary line compares with 0.5 ms + 20 µs × tensors.
 
@@ -151,20 +152,26 @@ def _instrument(controller: Any) -> dict[str, _Clock]:
     return clocks
 
 
-def _gc_clock() -> _Clock:
+def _gc_clock() -> tuple[_Clock, _Clock]:
     """Thread CPU time of Python's cyclic garbage collector, which runs wherever allocations
-    trigger it (with memctl mostly inside the hooks, which allocate the records)."""
-    clock, start = _Clock(), [0.0]
+    trigger it (with memctl mostly inside the hooks, which allocate the records): all of its
+    passes, and the full (oldest-generation) ones apart, which traverse every tracked object
+    in the process and come sooner the more objects survive into that generation."""
+    clock, full, start = _Clock(), _Clock(), [0.0]
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             start[0] = time.thread_time()
         else:
-            clock.seconds += time.thread_time() - start[0]
+            spent = time.thread_time() - start[0]
+            clock.seconds += spent
             clock.calls += 1
+            if info.get("generation") == 2:
+                full.seconds += spent
+                full.calls += 1
 
     gc.callbacks.append(on_gc)
-    return clock
+    return clock, full
 
 
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,8 +201,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "total": []}
     marks: dict[str, float] = {}
     packs = packed = 0
-    gc_clock = _gc_clock()
-    gc_seconds = gc_runs = 0
+    gc_clock, gc_full = _gc_clock()
+    gc_seconds = gc_runs = gc_full_runs = 0
     clock = time.thread_time
     for step in range(args.warmup + args.steps):
         x, y = batch(gen)
@@ -203,7 +210,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
             marks = {name: c.seconds for name, c in clocks.items()}
             marks.update({f"{name}_calls": c.calls for name, c in clocks.items()})
         if step == args.warmup:
-            gc_seconds, gc_runs = gc_clock.seconds, gc_clock.calls
+            gc_seconds, gc_runs, gc_full_runs = gc_clock.seconds, gc_clock.calls, gc_full.calls
         if step == args.warmup and controller is not None:
             packs, packed = clocks["pack"].calls if clocks else 0, controller._packer.packs
         t0 = clock()
@@ -227,6 +234,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "median_total_ms": statistics.median(phases["total"]) * 1e3,
         "gc_ms": (gc_clock.seconds - gc_seconds) / args.steps * 1e3,
         "gc_runs": (gc_clock.calls - gc_runs) / args.steps,
+        "gc_full_runs": gc_full.calls - gc_full_runs,
     }
     if controller is not None:
         result["compressed_per_step"] = (controller._packer.packs - packed) / args.steps
@@ -285,6 +293,9 @@ def _report(model: str, runs: dict[str, dict[str, Any]]) -> None:
     row("step boundary (Controller.step)", boundary, 0.0)
     row("rest (module hooks, ...)", rest, 0.0)
     row("(garbage collector, in the above)", whole["gc_ms"] - plain["gc_ms"], 0.0)
+    full = [r.get("gc_full_runs", "?") for r in (plain, whole, ph)]
+    print(f"  (full collections in the {whole['steps']} measured steps: plain {full[0]}, memctl {full[1]}, "
+          f"instrumented {full[2]})")
     row("memctl - plain (uninstrumented)", overhead, kernels)
     print(f"  outside the codec kernels: {outside:.3f} ms per step; target "
           f"0.5 + 0.020 x {n:.0f} = {target:.3f} ms: {'met' if outside <= target else 'missed'}. "

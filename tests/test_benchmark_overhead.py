@@ -24,3 +24,5 @@ def test_overhead_benchmark_prints_the_per_phase_split() -> None:
     for phase in ("pack hook", "unpack hook", "step boundary", "memctl - plain"):
         assert any(line.strip().startswith(phase) for line in lines), (phase, out.stdout)
     assert any("outside the codec kernels:" in line for line in lines), out.stdout
+    full = "(full collections in the 2 measured steps: plain "
+    assert any(line.strip().startswith(full) for line in lines), out.stdout
