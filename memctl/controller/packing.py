@@ -87,7 +87,8 @@ from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
-from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
+from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
+from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
@@ -106,8 +107,8 @@ _DedupKey = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype, torch
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
 
-    __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "regions", "shape", "source",
-                 "version")
+    __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "readers", "regions", "shape",
+                 "source", "version")
 
     def __init__(self, data: Packed | LogProbs | Derived | torch.Tensor, like: torch.Tensor,
                  regions: tuple[RegionCode, ...] = (), layer: str | None = None) -> None:
@@ -122,6 +123,8 @@ class Saved:
         self.source: weakref.ref[torch.Tensor] | None = None
         self.version = 0
         self.owner: MicroBatch | None = None
+        self.readers = 1
+        """Pack hook calls that returned this record (NOTE [ One decode for several readers ])."""
 
 
 class Packer:
@@ -160,6 +163,7 @@ class Packer:
         self.fsdp_passed = 0
         self.fsdp = FsdpParameters()
         self.timings = Timings()
+        self._shared = SharedDecode()
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -190,6 +194,7 @@ class Packer:
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
+        self._shared.clear()
         if not self._micro.empty:
             self._done.append(self._micro)
             self._micro = MicroBatch([b for b in self._done if b.live])
@@ -205,6 +210,7 @@ class Packer:
     def finish_step(self) -> dict[str, LayerStep]:
         """The step's per-layer records at its peak micro-batch; resets them and the tables."""
         self._fold_ranges()
+        self._shared.clear()
         peak = peak_basis([*self._done, self._micro])
         self._done = []
         self._micro = MicroBatch()
@@ -245,6 +251,7 @@ class Packer:
         if hit is not None and hit[0]() is not None:
             again = hit[1]()
             if again is not None:
+                again.readers += 1
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer)
                 return again
@@ -302,6 +309,9 @@ class Packer:
             return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
+        shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
+        if shared is not None:
+            return shared
         start = time.perf_counter()
         fused = None
         if isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
@@ -323,6 +333,7 @@ class Packer:
             for bit, plane in enumerate(region.planes):
                 code |= self._codec("lossless").decode(plane).to(torch.uint8) << bit
             out = region.partition.project(out, code)
+        self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
         return out
 
@@ -401,11 +412,19 @@ class Packer:
                   seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:
         start = time.perf_counter()
         data = t.detach()
+        region = None
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(data, error_bound=error_bound)
         else:
-            p = self._codec("quantize").encode(data, bits=int(bits), seed=seed)
-        region = None if part is None else self._region_code(data, part)
+            quantize: Any = self._codec("quantize")
+            if part is not None and _positive_plane(part) and hasattr(quantize, "encode_with_positive"):
+                # NOTE [ Positive mask in encode ]: the ReLU code in the same pass as the values
+                p, plane = quantize.encode_with_positive(data, bits=int(bits), seed=seed)
+                region = RegionCode(part, (plane,))
+            else:
+                p = quantize.encode(data, bits=int(bits), seed=seed)
+        if part is not None and region is None:
+            region = self._region_code(data, part)
         self.timings.observe_encode(time.perf_counter() - start)
         return p, region
 
@@ -548,6 +567,14 @@ class Packer:
                 codec = _WithImpl(codec, self._config.codec_impl)
             self._codecs[name] = codec
         return codec
+
+
+def _positive_plane(part: Partition) -> bool:
+    """Whether ``part``'s code is one bit plane, ``x > 0`` (ReLU's, leaky_relu's, ...)."""
+    return part.bits == 1 and [iv for iv in part.intervals if iv.code == 1] == [_POSITIVE]
+
+
+_POSITIVE = Interval(0.0, float("inf"), True, False, 1)
 
 
 def _relu_code(saved: Saved) -> RegionCode | None:
