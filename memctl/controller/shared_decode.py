@@ -31,36 +31,43 @@ __all__ = ["SharedDecode"]
 
 
 class SharedDecode:
-    """The last decoded tensor of a record with readers to come (NOTE [ One decode for several readers ])."""
+    """The last decoded tensor of a record with readers to come (NOTE [ One decode for several readers ]).
 
-    __slots__ = ("_out", "_saved")
+    The record and its tensor are one tuple, replaced whole, so that a backward running in
+    several threads (one per device) never pairs a record with another record's tensor.
+    """
+
+    __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._saved: weakref.ref[Any] | None = None
-        self._out: torch.Tensor | None = None
+        self._held: tuple[weakref.ref[Any], torch.Tensor] | None = None
+
+    @property
+    def held(self) -> torch.Tensor | None:
+        """The tensor held now, if any."""
+        held = self._held
+        return None if held is None else held[1]
 
     def take(self, saved: Any) -> torch.Tensor | None:
         """Count one read of ``saved``; the tensor an earlier reader decoded, or None."""
         saved.readers -= 1
         last = saved.readers <= 0
-        held = self._saved
-        if held is None or held() is not saved:
+        held = self._held
+        if held is None or held[0]() is not saved:
             return None
-        out = self._out
-        if last:
-            self.clear()
-        return out
+        if last and self._held is held:
+            self._held = None
+        return held[1]
 
     def keep(self, saved: Any, out: torch.Tensor) -> None:
         """Hold ``out``, just decoded from ``saved``, when more readers of it are to come."""
         if saved.readers > 0:
-            self._saved = weakref.ref(saved, self._dropped)
-            self._out = out
+            self._held = (weakref.ref(saved, self._dropped), out)
 
     def _dropped(self, ref: weakref.ref[Any]) -> None:
-        if self._saved is ref:
-            self.clear()
+        held = self._held
+        if held is not None and held[0] is ref:
+            self._held = None
 
     def clear(self) -> None:
-        self._saved = None
-        self._out = None
+        self._held = None

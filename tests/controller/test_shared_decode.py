@@ -69,9 +69,9 @@ def test_the_held_tensor_goes_with_its_last_reader() -> None:
     assert isinstance(saved, Saved)
     assert packer.pack(y) is saved and saved.readers == 2
     first = packer.unpack(saved)
-    assert packer._shared._out is first
+    assert packer._shared.held is first
     assert packer.unpack(saved) is first
-    assert packer._shared._out is None  # both readers served: nothing held
+    assert packer._shared.held is None  # both readers served: nothing held
 
 
 def test_a_dropped_record_releases_its_tensor() -> None:
@@ -84,10 +84,10 @@ def test_a_dropped_record_releases_its_tensor() -> None:
     out = torch.ones(8)
     assert shared.take(record) is None
     shared.keep(record, out)
-    assert shared._out is out
+    assert shared.held is out
     del record
     gc.collect()
-    assert shared._out is None
+    assert shared.held is None
 
 
 def test_only_records_with_readers_to_come_are_held() -> None:
@@ -99,4 +99,4 @@ def test_only_records_with_readers_to_come_are_held() -> None:
     record = Record()
     assert shared.take(record) is None
     shared.keep(record, torch.ones(4))
-    assert shared._out is None
+    assert shared.held is None
