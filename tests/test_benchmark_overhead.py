@@ -24,3 +24,6 @@ def test_overhead_benchmark_prints_the_per_phase_split() -> None:
     for phase in ("pack hook", "unpack hook", "step boundary", "memctl - plain"):
         assert any(line.strip().startswith(phase) for line in lines), (phase, out.stdout)
     assert any("outside the codec kernels:" in line for line in lines), out.stdout
+    split = next((line for line in lines if line.strip().startswith("split (CPU ms per step):")), None)
+    assert split is not None, out.stdout
+    assert "quantize encode" in split and "region codes in Python" in split and "everything else" in split
