@@ -14,6 +14,10 @@ configuration runs in its own process, on the models of ``benchmarks/training.py
   (``Controller.step``) timed one by one, and inside them the codec kernels (the launchers
   in ``memctl/codecs/*/_kernels.py``: output allocation and the Numba call) timed apart.
   The cost of the timers themselves (two ``thread_time`` calls each) is measured and taken off.
+  The kernels are also timed by launcher (quantize encode and decode, lossless pack and
+  unpack, errorbound), and the region code work done in Python (the comparisons that build a
+  code, the walk that finds the op that saved an input, the projection after decoding) apart:
+  the "split" line, whose "everything else" is memctl's whole cost less those.
 - ``memctl-probe``: ``Controller(model, optimizer, bits=2)`` with calibration on (the
   default), instrumented, for the cost of the calibration probes (NOTE [ Calibration ]): they
   run as often as a share (``calibration_fraction``) of the measured wall training time
@@ -56,6 +60,10 @@ from collections.abc import Callable
 from typing import Any
 
 CONFIGS = ("plain", "memctl", "memctl-phases", "memctl-probe")
+# memctl's cost by what it does (memctl-phases; outside the calibration probe): the kernel
+# launchers by codec and direction, and the region code work in Python (NOTE [ Derivative regions ]).
+SPLIT = ("quantize_encode", "quantize_decode", "lossless_pack", "lossless_unpack", "errorbound")
+REGION = ("region_planes", "region_matches", "region_project")
 
 
 def _thread_budget() -> None:
@@ -111,24 +119,57 @@ def _instrument(controller: Any) -> dict[str, _Clock]:
     from memctl.codecs.lossless import _kernels as ll
     from memctl.codecs.quantize import _kernels as qz
     from memctl.controller import controller as controller_module
+    from memctl.controller import regions
 
     phases = ("pack", "unpack", "probe")
     clocks = {name: _Clock() for name in (*phases, "step", *(f"kernels_{p}" for p in phases))}
-    # A kernel counts for the phase it runs in: the pack hook, the unpack hook or the probe.
+    # A kernel counts for the phase it runs in: the pack hook, the unpack hook or the probe;
+    # and, outside the probe, for its launcher (the split of SPLIT).
     inside = {"phase": "pack"}
 
-    def kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def kernel(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         timed = {p: clocks[f"kernels_{p}"].wrap(fn) for p in phases}
+        clocks[label] = _Clock()
+        split = clocks[label].wrap(lambda *args, **kwargs: timed[inside["phase"]](*args, **kwargs))
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            return timed[inside["phase"]](*args, **kwargs)
+            if inside["phase"] == "probe":
+                return timed["probe"](*args, **kwargs)
+            return split(*args, **kwargs)
 
         return run
 
     for module, names in ((qz, ("encode_cpu", "decode_cpu")), (ll, ("pack_cpu", "unpack_cpu")),
                           (eb, ("run",))):
         for name in names:
-            setattr(module, name, kernel(getattr(module, name)))
+            label = {"encode_cpu": "quantize_encode", "decode_cpu": "quantize_decode",
+                     "pack_cpu": "lossless_pack", "unpack_cpu": "lossless_unpack", "run": "errorbound"}[name]
+            setattr(module, name, kernel(getattr(module, name), label))
+
+    # Region code work outside the kernels (NOTE [ Derivative regions ]): the comparisons that
+    # build a code (Partition.planes), the walk that finds who saved an input, the projection.
+    def region(owner: Any, name: str) -> None:
+        clocks[f"region_{name}"] = _Clock()
+        fn = getattr(owner, name)
+        if name == "planes":  # a generator: its work happens while it is consumed
+            timed_list = clocks[f"region_{name}"].wrap(lambda *args, **kwargs: list(fn(*args, **kwargs)))
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                return iter(timed_list(*args, **kwargs))
+        else:
+            timed = clocks[f"region_{name}"].wrap(fn)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if inside["phase"] == "probe":
+                return getattr(owner, f"_plain_{name}")(*args, **kwargs)
+            return timed(*args, **kwargs)
+
+        setattr(owner, f"_plain_{name}", getattr(owner, name))
+        setattr(owner, name, run)
+
+    region(regions.Partition, "planes")
+    region(regions.Partition, "project")
+    region(regions.RegionTracker, "matches")
 
     def entering(phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         timed = clocks[phase].wrap(fn)
@@ -248,6 +289,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
                 inner = clocks[f"kernels_{name}"].calls - marks[f"kernels_{name}_calls"]
             if name == "step":
                 inner = sum(clocks[k].calls - marks[f"{k}_calls"] for k in ("probe", "kernels_probe"))
+            if name in SPLIT:  # each holds the phase's kernel timer
+                inner = calls
             result[f"{name}_calls"] = calls / args.steps
             result[f"{name}_ms"] = (c.seconds - marks[name] - cost * inner) / args.steps * 1e3
         result["saved_per_step"] = (clocks["pack"].calls - packs) / args.steps
@@ -301,6 +344,16 @@ def _report(model: str, runs: dict[str, dict[str, Any]]) -> None:
           f"0.5 + 0.020 x {n:.0f} = {target:.3f} ms: {'met' if outside <= target else 'missed'}. "
           f"Per saved tensor (hooks) {hooks_else / n * 1e3:.1f} us (target 20); "
           f"fixed (boundary + rest) {boundary + rest:.3f} ms (target 0.5)")
+    split = {name: ph.get(f"{name}_ms", 0.0) for name in (*SPLIT, *REGION)}
+    region = sum(split[r] for r in REGION)
+    probe = pr["probe_ms"]
+    other = overhead - sum(split[k] for k in SPLIT) - region
+    kernels_split = ", ".join(f"{k.replace('_', ' ')} {split[k]:.1f} ({ph.get(f'{k}_calls', 0.0):.0f} calls)"
+                              for k in SPLIT if split[k])
+    print(f"  split (CPU ms per step): {kernels_split}, region codes in Python {region:.1f} (comparisons "
+          f"{split['region_planes']:.1f}, walk {split['region_matches']:.1f}, projection "
+          f"{split['region_project']:.1f}), everything else {other:.1f}; calibration probes "
+          f"(calibration on) {probe:.1f}")
     print(f"  with calibration on (the default): probes {pr['probe_calls']:.2f} per step, "
           f"{pr['probe_ms']:.3f} ms per step (kernels {pr['kernels_probe_ms']:.3f}); "
           f"step boundary without them {pr['step_ms'] - pr['probe_ms']:.3f} ms")

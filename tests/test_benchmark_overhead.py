@@ -26,3 +26,6 @@ def test_overhead_benchmark_prints_the_per_phase_split() -> None:
     assert any("outside the codec kernels:" in line for line in lines), out.stdout
     full = "(full collections in the 2 measured steps: plain "
     assert any(line.strip().startswith(full) for line in lines), out.stdout
+    split = next((line for line in lines if line.strip().startswith("split (CPU ms per step):")), None)
+    assert split is not None, out.stdout
+    assert "quantize encode" in split and "region codes in Python" in split and "everything else" in split

@@ -99,7 +99,8 @@ from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
-from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
+from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
+from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
@@ -119,8 +120,8 @@ _current_node = torch._C._current_autograd_node
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
 
-    __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "regions", "shape", "source",
-                 "version")
+    __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "readers", "regions", "shape",
+                 "source", "version")
 
     def __init__(self, data: Packed | LogProbs | Derived | torch.Tensor, like: torch.Tensor,
                  regions: tuple[RegionCode, ...] = (), layer: str | None = None) -> None:
@@ -136,6 +137,8 @@ class Saved:
         self.source: weakref.ref[torch.Tensor] | None = None
         self.version = 0
         self.owner: MicroBatch | None = None
+        self.readers = 1
+        """Pack hook calls that returned this record (NOTE [ One decode for several readers ])."""
 
 
 class Packer:
@@ -174,6 +177,7 @@ class Packer:
         self.fsdp_passed = 0
         self.fsdp = FsdpParameters()
         self.timings = Timings()
+        self._shared = SharedDecode()
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -204,6 +208,7 @@ class Packer:
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
+        self._shared.clear()
         if not self._micro.empty:
             self._done.append(self._micro)
             self._micro = MicroBatch([b for b in self._done if b.live])
@@ -219,6 +224,7 @@ class Packer:
     def finish_step(self) -> dict[str, LayerStep]:
         """The step's per-layer records at its peak micro-batch; resets them and the tables."""
         self._fold_ranges()
+        self._shared.clear()
         peak = peak_basis([*self._done, self._micro])
         self._done = []
         self._micro = MicroBatch()
@@ -260,6 +266,7 @@ class Packer:
         if hit is not None:
             again = hit()
             if again is not None and again.source is not None and again.source() is not None:
+                again.readers += 1
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer)
                 return again
@@ -319,6 +326,9 @@ class Packer:
             return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
+        shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
+        if shared is not None:
+            return shared
         start = time.perf_counter()
         fused = None
         if isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
@@ -341,6 +351,7 @@ class Packer:
             for bit, plane in enumerate(region.planes):
                 code |= self._codec("lossless").decode(plane).to(torch.uint8) << bit
             out = region.partition.project(out, code)
+        self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
         return out
 
@@ -423,11 +434,19 @@ class Packer:
                   seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:
         start = time.perf_counter()
         # The codecs read t through t.detach() themselves.
+        region = None
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(t, error_bound=error_bound)
         else:
-            p = self._codec("quantize").encode(t, bits=int(bits), seed=seed)
-        region = None if part is None else self._region_code(t.detach(), part)
+            quantize: Any = self._codec("quantize")
+            if part is not None and _positive_plane(part) and hasattr(quantize, "encode_with_positive"):
+                # NOTE [ Positive mask in encode ]: the ReLU code in the same pass as the values
+                p, plane = quantize.encode_with_positive(t, bits=int(bits), seed=seed)
+                region = RegionCode(part, (plane,))
+            else:
+                p = quantize.encode(t, bits=int(bits), seed=seed)
+        if part is not None and region is None:
+            region = self._region_code(t.detach(), part)
         self.timings.observe_encode(time.perf_counter() - start)
         return p, region
 
@@ -584,6 +603,14 @@ def _alive(ref: weakref.ref[Saved]) -> bool:
     """Whether a de-duplication entry may still be reused (NOTE [ De-duplication ])."""
     saved = ref()
     return saved is not None and saved.source is not None and saved.source() is not None
+
+
+def _positive_plane(part: Partition) -> bool:
+    """Whether ``part``'s code is one bit plane, ``x > 0`` (ReLU's, leaky_relu's, ...)."""
+    return part.bits == 1 and [iv for iv in part.intervals if iv.code == 1] == [_POSITIVE]
+
+
+_POSITIVE = Interval(0.0, float("inf"), True, False, 1)
 
 
 def _relu_code(saved: Saved) -> RegionCode | None:

@@ -222,6 +222,7 @@ def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.Monke
         raise RuntimeError("injected codec failure")
 
     monkeypatch.setattr(codec, "encode", broken)
+    monkeypatch.setattr(codec, "encode_with_positive", broken)  # ReLU outputs' entry point
     loss = _train_step(model, opt)
     assert loss == loss  # finite, training went on
     s = ctl.stats()

@@ -47,6 +47,15 @@ report is one small device-to-host read per encoded tensor.
 
 The three codecs' formats side by side: docs/formats.md, "quantize".
 
+NOTE [ Positive mask in encode ]
+A ReLU output keeps the bit mask of its positive values next to its record (NOTE [ ReLU
+masks ] in ``memctl/controller/packing.py``): ``lossless.encode(t > 0)``, a comparison
+pass and a packing pass over the whole tensor. ``encode_with_positive`` writes the same
+lossless record, byte for byte, from inside the CPU encode kernel, per group while the
+group's values sit in L1 after the min/max pass, so the tensor is read once. The other
+implementations (the reference, the CUDA kernels) compute ``t > 0`` and call the lossless
+codec: the bytes are the same.
+
 NOTE [ Masked decode ]
 ``decode(p, mask=m)`` takes the bit mask of the values that must come back positive (a
 ReLU output's ``t > 0``, packed as the lossless codec packs bools) and returns, byte for
@@ -200,6 +209,41 @@ class QuantizeCodec:
             buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
             params={"bits": b, "group_size": g, "seed": s},
         )
+
+    def encode_with_positive(
+        self, t: torch.Tensor, *, bits: int | None = None, seed: int = 0, impl: Impl | str | None = None
+    ) -> tuple[Packed, Packed]:
+        """``(encode(t, ...), lossless.encode(t > 0))`` byte for byte, in one pass over ``t`` on the
+        CPU (NOTE [ Positive mask in encode ])."""
+        _backend.require_tensor(t, _NAME)
+        chosen = _backend.resolve_impl(impl, t.device)
+        if chosen is not Impl.CPU or t.dtype not in FLOAT_DTYPES:
+            from memctl.codecs.lossless.codec import LosslessCodec
+
+            record = self.encode(t, bits=bits, seed=seed, impl=chosen)
+            return record, LosslessCodec().encode(t > 0, impl=chosen)
+        b = self.config.bits if bits is None else _check_bits(bits)
+        s = _rng.check_seed(seed)
+        g = self.config.group_size
+        flat = _flat_float32(t)
+        positive = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
+        payload, meta, nonfinite = _quantize_kernels.encode_cpu(flat, b, g, s, positive)
+        if nonfinite:
+            exc_index, exc_value = _exceptions(flat)
+        else:
+            exc_index, exc_value = self._no_exceptions(payload.device)
+        shape = tuple(t.shape)
+        record = Packed(
+            codec=_NAME,
+            shape=shape,
+            dtype=t.dtype,
+            device=t.device,
+            buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
+            params={"bits": b, "group_size": g, "seed": s},
+        )
+        mask = Packed(codec="lossless", shape=shape, dtype=torch.bool, device=t.device,
+                      buffers={"payload": positive}, params={"layout": "bits"})
+        return record, mask
 
     def _no_exceptions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty exception buffers for ``device``, made once: every record without a non-finite

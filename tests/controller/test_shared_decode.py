@@ -1,0 +1,102 @@
+"""One decode for the nodes that save the same tensor (NOTE [ One decode for several readers ])."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memctl.controller.config import ControllerConfig
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.packing import Packer, Saved
+from memctl.controller.shared_decode import SharedDecode
+
+
+def _packer() -> Packer:
+    tracker = ModuleTracker()
+    tracker.model_depth = 1  # inside the model's forward: compressed, not kept exact
+
+    def fail(layer: str, exc: BaseException) -> None:
+        raise AssertionError(f"codec fallback in {layer}: {exc}")
+
+    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), fail)
+
+
+def _count_decodes(packer: Packer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    codec: Any = packer._codec("quantize")
+    calls = [0]
+    inner = codec.decode
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return inner(*args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(codec, "decode", counted)
+    return calls
+
+
+def _grads(share: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    x = torch.randn(128, 64)
+    packer = _packer()
+    if not share:
+        monkeypatch.setattr(SharedDecode, "keep", lambda self, saved, out: None)
+    calls = _count_decodes(packer, monkeypatch)
+    packer.begin_step(0)
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        loss = model(x).square().mean()
+    loss.backward()
+    monkeypatch.undo()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], calls[0]
+
+
+def test_a_tensor_saved_twice_is_decoded_once_same_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each ReLU output is saved by the ReLU (its result) and by the next Linear (its input).
+    shared, decodes_shared = _grads(True, monkeypatch)
+    alone, decodes_alone = _grads(False, monkeypatch)
+    assert decodes_alone - decodes_shared == 2  # one decode fewer per ReLU output
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone, strict=True))
+
+
+def test_the_held_tensor_goes_with_its_last_reader() -> None:
+    packer = _packer()
+    y = torch.relu(torch.randn(4096, requires_grad=True))
+    saved = packer.pack(y)
+    assert isinstance(saved, Saved)
+    assert packer.pack(y) is saved and saved.readers == 2
+    first = packer.unpack(saved)
+    assert packer._shared.held is first
+    assert packer.unpack(saved) is first
+    assert packer._shared.held is None  # both readers served: nothing held
+
+
+def test_a_dropped_record_releases_its_tensor() -> None:
+    shared = SharedDecode()
+
+    class Record:
+        readers = 2
+
+    record = Record()
+    out = torch.ones(8)
+    assert shared.take(record) is None
+    shared.keep(record, out)
+    assert shared.held is out
+    del record
+    gc.collect()
+    assert shared.held is None
+
+
+def test_only_records_with_readers_to_come_are_held() -> None:
+    shared = SharedDecode()
+
+    class Record:
+        readers = 1
+
+    record = Record()
+    assert shared.take(record) is None
+    shared.keep(record, torch.ones(4))
+    assert shared.held is None
