@@ -127,3 +127,19 @@ def test_the_citation_check_can_fail(text: str, ok: bool) -> None:
     target = _DOCS / m.group(1)
     found = target.is_file() and (m.group(2) is None or m.group(2) in _headings(target))
     assert found is ok
+
+
+# A block's own heading: a line that is only "NOTE [ name ]" (after a comment's "#").
+_NOTE_HEADING = re.compile(r"^\s*(?:#\s*)?NOTE \[\s(.+?)\s\]\s*$", re.MULTILINE)
+
+
+def test_every_note_block_of_the_package_is_listed_in_the_docs() -> None:
+    listed = {(" ".join(name.split()), where)
+              for name, where in _NOTE_AT.findall((_DOCS / "README.md").read_text())}
+    unlisted = [
+        f"NOTE [ {name} ] in `{_rel(path)}`"
+        for path in sorted((_REPO / "memctl").rglob("*.py"))
+        for name in _NOTE_HEADING.findall(path.read_text())
+        if (" ".join(name.split()), _rel(path)) not in listed
+    ]
+    assert unlisted == [], "add a row to the NOTE table of docs/README.md for each of these"
