@@ -45,11 +45,13 @@ class ControllerConfig:
             (the loss); off by default, see NOTE [ What is compressed ].
         log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
             (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
-        attention_bits: least bits of the tensors an attention op saves (query, key,
-            value, output; softmax outputs), whatever their layer's bits; its gradient-free
+        attention_bits: least bits of the tensors an attention saves (what
+            ``scaled_dot_product_attention`` saves; an explicit attention's matmul operands
+            and probabilities), whatever their layer's bits; the gradient-free floats it
             saves (the logsumexp) are kept exact. ``None`` turns the floor off (NOTE [ Bit
             floors ] in floors.py).
-        norm_bits: least bits of LayerNorm's (and fused RMSNorm's) input; ``None``: no floor.
+        norm_bits: least bits of LayerNorm's (and fused RMSNorm's) input and output (where
+            the next op saves it); ``None``: no floor.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -93,7 +95,7 @@ class ControllerConfig:
     compress_outside: bool = False
     log_prob_bits: int | None = 8
     attention_bits: int | None = 8
-    norm_bits: int | None = None
+    norm_bits: int | None = 4
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10

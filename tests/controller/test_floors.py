@@ -108,12 +108,49 @@ def test_explicit_attention_probabilities_are_floored() -> None:
     assert _stored_bits(saved) == 8
 
 
-def test_layer_norm_input_floor_is_off_by_default_and_applies_when_asked() -> None:
+def test_explicit_attention_matmul_operands_are_floored() -> None:
+    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
+    w_in = torch.randn(96, 32, generator=g, requires_grad=True)
+    w_out = torch.randn(32, 32, generator=g, requires_grad=True)
+    packer = _packer()
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        packer.set_parameters(nn.Module())
+        q, k, v = (z.view(2, 16, 4, 8).transpose(1, 2) for z in F.linear(x, w_in).chunk(3, dim=-1))
+        p = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+        y = (p @ v).transpose(1, 2).reshape(2, 16, 32)
+        F.linear(y, w_out)
+    bits = [_stored_bits(s) for s, t in records if isinstance(s, Saved) and t.grad_fn is not None]
+    # the first linear's weight and input (2 bits), q and k (8), p (8), v and p as the second
+    # matmul's operands (8), the last linear's weight and input (2 bits)
+    assert bits == [2, 2, 8, 8, 8, 8, 8, 2, 2]
+
+
+def test_layer_norm_output_saved_by_the_next_layer_takes_the_norm_floor() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    packer = _packer(norm_bits=4)
+    packer.set_parameters(nn.Module())
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        y = F.layer_norm(x * 2.0, (64,))
+        saved = packer.pack(y.view(-1, 64))  # what F.linear saves of a 3-D input
+    assert _stored_bits(saved) == 4
+
+
+def test_layer_norm_input_is_held_at_the_norm_floor() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, 64, generator=g, requires_grad=True) * 1.0
     w = torch.randn(64, 64, generator=g, requires_grad=True)
-    for norm_bits, expected in ((None, 2), (8, 8)):
-        packer = _packer(norm_bits=norm_bits)
+    for options, expected in (({"norm_bits": None}, 2), ({}, 4), ({"norm_bits": 8}, 8)):
+        packer = _packer(**options)
         packer.set_parameters(nn.Module())
         records: list[tuple[Any, torch.Tensor]] = []
 
