@@ -243,6 +243,7 @@ class _PlainCounter:
 
 def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     """Real bytes held by one record memctl's pack hook returned (each record once)."""
+    saved = getattr(saved, "alias_of", saved)  # the same record under another shape
     if id(saved) in seen:
         return 0
     seen.add(id(saved))

@@ -27,6 +27,11 @@ and an entry is reused only while both are alive: a new tensor that happens to r
 freed address is never mistaken for the old one, and the table never keeps a record
 alive after autograd has freed it (with gradient accumulation every micro-batch's
 records would otherwise stay until the optimizer step; NOTE [ Micro-batches ]).
+A contiguous tensor is keyed by its values' place alone (storage, offset, number of
+values), so a contiguous view of a saved tensor with another shape (a matmul saves its
+operand reshaped to 3-D: an explicit attention's probabilities are saved by the softmax
+and again by the next matmul) reuses the record too, through an :class:`Alias` that
+reshapes what the record decodes.
 
 NOTE [ ReLU masks ]
 Generalised to every op whose backward branches on its saved tensor: see
@@ -94,7 +99,7 @@ from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
 from memctl.errors import CodecError
 
-__all__ = ["Packer", "Saved"]
+__all__ = ["Alias", "Packer", "Saved"]
 
 _log = logging.getLogger("memctl.controller")
 
@@ -123,6 +128,16 @@ class Saved:
         self.source: weakref.ref[torch.Tensor] | None = None
         self.version = 0
         self.owner: MicroBatch | None = None
+
+
+class Alias:
+    """A record saved again under another shape (NOTE [ De-duplication ])."""
+
+    __slots__ = ("alias_of", "shape")
+
+    def __init__(self, saved: Saved, shape: tuple[int, ...]) -> None:
+        self.alias_of = saved
+        self.shape = shape
 
 
 class Packer:
@@ -227,7 +242,7 @@ class Packer:
         return rec
 
     # -- hooks -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Saved | SavedRef | torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Saved | SavedRef | Alias | torch.Tensor:
         """Pack hook (see NOTE [ What is compressed ])."""
         if t.layout != torch.strided or t.device.type == "meta":
             return t.detach().clone()
@@ -243,15 +258,16 @@ class Packer:
         if ptr in self._param_ptrs:
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
-        key: _DedupKey = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
-                          t.device, t._version)
+        flat = t.numel() > 0 and t.is_contiguous()  # NOTE [ De-duplication ]: contiguous by place
+        key: _DedupKey = (ptr, int(t.storage_offset()), (t.numel(),) if flat else tuple(t.shape),
+                          (1,) if flat else tuple(t.stride()), t.dtype, t.device, t._version)
         hit = self._seen.get(key)
         if hit is not None and hit[0]() is not None:
             again = hit[1]()
             if again is not None:
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer)
-                return again
+                return again if again.shape == tuple(t.shape) else Alias(again, tuple(t.shape))
         layer = self._tracker.current
         try:
             saved = self._pack_new(t, layer)
@@ -295,12 +311,14 @@ class Packer:
                             for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                                 self._raise_unread(*unread)
 
-    def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         self._regions.clear()  # the forward is over: no pending input can still be matched
         self._floors.clear()
         if isinstance(saved, torch.Tensor):
             return saved
+        if isinstance(saved, Alias):
+            return self.unpack(saved.alias_of).reshape(saved.shape)
         if isinstance(saved, SavedRef):
             return saved.unpack()
         if saved.owner is not None:

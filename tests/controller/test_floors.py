@@ -13,7 +13,7 @@ import memctl
 from memctl.codecs.base import Packed
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
-from memctl.controller.packing import Packer, Saved
+from memctl.controller.packing import Alias, Packer, Saved
 from memctl.errors import ConfigError
 
 
@@ -129,9 +129,14 @@ def test_explicit_attention_matmul_operands_are_floored() -> None:
         y = (p @ v).transpose(1, 2).reshape(2, 16, 32)
         F.linear(y, w_out)
     bits = [_stored_bits(s) for s, t in records if isinstance(s, Saved) and t.grad_fn is not None]
-    # the first linear's weight and input (2 bits), q and k (8), p (8), v and p as the second
-    # matmul's operands (8), the last linear's weight and input (2 bits)
-    assert bits == [2, 2, 8, 8, 8, 8, 8, 2, 2]
+    # the first linear's weight and input (2 bits), q and k (8), p (8), v as the second
+    # matmul's operand (8), the last linear's weight and input (2 bits)
+    assert bits == [2, 2, 8, 8, 8, 8, 2, 2]
+    # p as the second matmul's operand (a 3-D view of the softmax's result): the same record
+    (alias,) = [s for s, _ in records if isinstance(s, Alias)]
+    softmax = next(s for s, t in records
+                   if t.grad_fn is not None and type(t.grad_fn).__name__ == "SoftmaxBackward0")
+    assert alias.alias_of is softmax and alias.shape == (8, 16, 16)
 
 
 def test_layer_norm_output_saved_by_the_next_layer_takes_the_norm_floor() -> None:
