@@ -50,8 +50,9 @@ class ControllerConfig:
             and probabilities), whatever their layer's bits; the gradient-free floats it
             saves (the logsumexp) are kept exact. ``None`` turns the floor off (NOTE [ Bit
             floors ] in floors.py).
-        norm_bits: least bits of LayerNorm's (and fused RMSNorm's) input and output (where
-            the next op saves it); ``None``: no floor.
+        norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
+            ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
+            ``None``: no floor.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.

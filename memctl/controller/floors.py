@@ -40,7 +40,8 @@ saved a tensor ] (regions.py) recognises piecewise activations. An op that saves
 result (the attention's output, softmax) is known when that result is packed, because
 its ``grad_fn`` is the op's node; an op's output that the next op saves (LayerNorm's, the
 probabilities as a matmul operand) is known from its ``grad_fn`` through view-like nodes
-(:data:`_VIEWS`). Both get the floor at once. Inputs (query, key, value, the matmul
+(:data:`_VIEWS`); an explicit RMSNorm (Hugging Face's ``LlamaRMSNorm``, no node of
+its own) is recognised by its multiplication by an ``rsqrt``. Both get the floor at once. Inputs (query, key, value, the matmul
 operands, LayerNorm's input) are packed before the node that saves them exists: the
 :data:`RECENT` most recent compressed records keep their source tensor, keyed by
 autograd identity, and each later pack walks a few nodes up from its ``grad_fn``
@@ -125,6 +126,27 @@ def _first_beyond(node: Any, skip: frozenset[str], limit: int = 6) -> Any:
     return None
 
 
+_CASTS = _VIEWS | {"ToCopyBackward0"}
+
+
+def _is_rms_norm(node: Any) -> bool:
+    """Whether ``node`` is an explicit RMSNorm's product (Hugging Face's ``LlamaRMSNorm``:
+    ``weight * (x * rsqrt(mean(x²) + eps))``): a multiplication by an ``rsqrt``, or of
+    such a product by a gain."""
+    if type(node).__name__ != "MulBackward0":
+        return False
+    for nxt, _ in node.next_functions:
+        below = _first_beyond(nxt, _CASTS)
+        name = type(below).__name__ if below is not None else ""
+        if name == "RsqrtBackward0":
+            return True
+        if name == "MulBackward0" and any(
+            type(_first_beyond(n, _CASTS)).__name__ == "RsqrtBackward0" for n, _ in below.next_functions
+        ):
+            return True
+    return False
+
+
 def _attention_matmul(node: Any) -> Any:
     """The matmul node of an explicit attention that ``node`` identifies, or None: a
     softmax's logits matmul (q @ kᵀ), or a matmul with a softmax's output as an operand
@@ -195,6 +217,8 @@ class FloorTracker:
             name = type(node).__name__
             if name not in _VIEWS:
                 op = _OPS.get(name)
+                if op is None and _is_rms_norm(node):
+                    return self._floors.get(NORM)
                 return self._floors.get(op.kind) if op is not None and op.output else None
             edges = node.next_functions
             if not edges or edges[0][0] is None:
@@ -240,6 +264,8 @@ class FloorTracker:
             op = _OPS.get(name)
             if op is not None and op.inputs and op.kind in self._floors:
                 found += self._inputs_of(node, self._floors[op.kind], op.exact_extras)
+            elif NORM in self._floors and _is_rms_norm(node):
+                found += self._inputs_of(node, self._floors[NORM], False)
             elif ATTENTION in self._floors:
                 matmul = _attention_matmul(node)
                 if matmul is not None:

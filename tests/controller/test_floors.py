@@ -230,3 +230,29 @@ def test_attention_floor_brings_the_two_bit_gradient_close_to_plain() -> None:
     err_bare = float((bare - plain).norm() / plain.norm())
     assert err_floored < 0.5 * err_bare
     assert sum(row["floored_bytes"] for row in stats.values()) > 0  # reported in stats()["layers"]
+
+
+def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
+    """Hugging Face's LlamaRMSNorm: weight * (x * rsqrt(mean(x²) + eps))."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    gain = torch.ones(64, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        packer.set_parameters(nn.Module())
+        h = x * 2.0  # the residual stream
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y = gain * normed
+        F.linear(y, w)
+    by_kind = {("input" if t is h else "normalised" if t is normed else "output" if t.shape == (64, 64)
+                and type(t.grad_fn).__name__ == "ViewBackward0" else None): _stored_bits(s)
+               for s, t in records if isinstance(s, Saved) and t.shape != (4, 16, 1)}
+    assert by_kind["input"] == by_kind["normalised"] == by_kind["output"] == 4
