@@ -194,6 +194,10 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed_seen: set[int] = set()
     packed_total = [0]
+    # the last step's records, measured once its forward is over: a record can grow after
+    # its pack returned (NOTE [ Bit floors ], NOTE [ Outputs recomputed from the input ])
+    records: list[Any] = []
+    collect = [False]
     ctl = None
     if config != "plain":
         options: dict[str, Any] = {"monitor_interval_s": 0}
@@ -205,7 +209,8 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
 
         def counting_pack(t: torch.Tensor) -> Any:
             saved = pack(t)
-            packed_total[0] += fid._record_bytes(saved, params, packed_seen)
+            if collect[0]:
+                records.append(saved)
             return saved
 
         ctl._packer.pack = counting_pack  # type: ignore[method-assign]
@@ -220,11 +225,16 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
         if last:
             packed_seen.clear()
             packed_total[0] = 0
+            collect[0] = True
         if config == "plain" and last:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = task.loss(x, y)
         else:
             loss = task.loss(x, y)
+        if last and records:
+            collect[0] = False
+            packed_total[0] = sum(fid._record_bytes(r, params, packed_seen) for r in records)
+            records.clear()
         loss.backward()
         task.opt.step()
         task.opt.zero_grad(set_to_none=True)

@@ -243,6 +243,7 @@ class _PlainCounter:
 
 def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     """Real bytes held by one record memctl's pack hook returned (each record once)."""
+    saved = getattr(saved, "alias_of", saved)  # the same record under another shape
     if id(saved) in seen:
         return 0
     seen.add(id(saved))
@@ -285,6 +286,10 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
     counter = _PlainCounter(model)
     packed_seen: set[int] = set()
     packed_total = [0]
+    # the last step's records, measured once its forward is over: a record can grow after
+    # its pack returned (NOTE [ Bit floors ], NOTE [ Outputs recomputed from the input ])
+    records: list[Any] = []
+    collect = [False]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     if config != "plain":
         options: dict[str, Any] = {"monitor_interval_s": 0}
@@ -305,7 +310,8 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
 
         def counting_pack(t: torch.Tensor) -> Any:
             saved = pack(t)
-            packed_total[0] += _record_bytes(saved, params, packed_seen)
+            if collect[0]:
+                records.append(saved)
             return saved
 
         ctl._packer.pack = counting_pack  # type: ignore[method-assign]
@@ -317,11 +323,16 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         if last:
             packed_seen.clear()
             packed_total[0] = 0
+            collect[0] = True
         if config == "plain" and last:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = loss_of(spec, model, x, y)
         else:
             loss = loss_of(spec, model, x, y)
+        if last and records:
+            collect[0] = False
+            packed_total[0] = sum(_record_bytes(r, params, packed_seen) for r in records)
+            records.clear()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -45,6 +45,14 @@ class ControllerConfig:
             (the loss); off by default, see NOTE [ What is compressed ].
         log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
             (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
+        attention_bits: least bits of the tensors an attention saves (what
+            ``scaled_dot_product_attention`` saves; an explicit attention's matmul operands
+            and probabilities), whatever their layer's bits; the gradient-free floats it
+            saves (the logsumexp) are kept exact. ``None`` turns the floor off (NOTE [ Bit
+            floors ] in floors.py).
+        norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
+            ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
+            ``None``: no floor.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -87,6 +95,8 @@ class ControllerConfig:
     min_numel: int = 4096
     compress_outside: bool = False
     log_prob_bits: int | None = 8
+    attention_bits: int | None = 8
+    norm_bits: int | None = 4
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10
@@ -133,6 +143,13 @@ class ControllerConfig:
                 f"log_prob_bits={self.log_prob_bits!r}: must be 4 or 8 (bits of the stored "
                 "probabilities), or None to keep log-softmax outputs exact"
             )
+        for name in ("attention_bits", "norm_bits"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value not in (2, 4, 8)):
+                raise ConfigError(
+                    f"{name}={value!r}: must be 2, 4 or 8 (the least bits of those tensors), "
+                    "or None for no floor"
+                )
         _positive_int("group_size", self.group_size)
         if self.group_size % 8:
             raise ConfigError(f"group_size={self.group_size}: must be a multiple of 8 (e.g. 256)")

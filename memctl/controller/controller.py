@@ -879,6 +879,7 @@ class Controller:
                     "raw_bytes": s.raw_bytes,
                     "packed_bytes": s.packed_bytes,
                     "other_bytes": s.other_bytes,
+                    "floored_bytes": s.floored_bytes,
                     "sensitivity": s.sensitivity(g2),
                     "min": s.vmin,
                     "max": s.vmax,

@@ -28,6 +28,11 @@ both are alive: a new tensor that happens to reuse a
 freed address is never mistaken for the old one, and the table never keeps a record
 alive after autograd has freed it (with gradient accumulation every micro-batch's
 records would otherwise stay until the optimizer step; NOTE [ Micro-batches ]).
+A contiguous tensor is keyed by its values' place alone (storage, offset, number of
+values), so a contiguous view of a saved tensor with another shape (a matmul saves its
+operand reshaped to 3-D: an explicit attention's probabilities are saved by the softmax
+and again by the next matmul) reuses the record too, through an :class:`Alias` that
+reshapes what the record decodes.
 
 NOTE [ Pack path cost ]
 The pack hook runs once per saved tensor: a 2-layer GRU saves ~900 per step, so every
@@ -95,6 +100,7 @@ import torch
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived
+from memctl.controller.floors import ATTENTION, NORM, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
@@ -106,7 +112,7 @@ from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, check_version
 from memctl.errors import CodecError
 
-__all__ = ["Packer", "Saved"]
+__all__ = ["Alias", "Packer", "Saved"]
 
 _log = logging.getLogger("memctl.controller")
 
@@ -141,6 +147,16 @@ class Saved:
         """Pack hook calls that returned this record (NOTE [ One decode for several readers ])."""
 
 
+class Alias:
+    """A record saved again under another shape (NOTE [ De-duplication ])."""
+
+    __slots__ = ("alias_of", "shape")
+
+    def __init__(self, saved: Saved, shape: tuple[int, ...]) -> None:
+        self.alias_of = saved
+        self.shape = shape
+
+
 class Packer:
     """Installs nothing itself: the controller hands :meth:`pack` and :meth:`unpack` to autograd."""
 
@@ -170,6 +186,7 @@ class Packer:
         """Micro-batches (forwards that backward read) in the last finished step."""
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
         self._regions = RegionTracker()
+        self._floors = FloorTracker({ATTENTION: config.attention_bits, NORM: config.norm_bits})
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -205,6 +222,7 @@ class Packer:
         self._seed_base = (step * 0x9E3779B1) & 0xFFFFFFFF
         self._counter = 0
         self._regions.clear()
+        self._floors.clear()
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
@@ -231,6 +249,7 @@ class Packer:
         self._step = self._micro.records
         self._seen.clear()
         self._regions.clear()
+        self._floors.clear()
         self._begun = None
         self.last_samples = peak.samples
         self.last_micro_batches = peak.micro_batches
@@ -243,7 +262,7 @@ class Packer:
         return rec
 
     # -- hooks -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Saved | SavedRef | torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Saved | SavedRef | Alias | torch.Tensor:
         """Pack hook (see NOTE [ What is compressed ]; its cost: NOTE [ Pack path cost ])."""
         if t.layout != torch.strided or t.is_meta:
             return t.detach().clone()
@@ -261,12 +280,19 @@ class Packer:
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
-        key: _DedupKey = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+        shape = tuple(t.shape)
+        flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place
+        key: _DedupKey = (ptr, t.storage_offset(), (t.numel(),) if flat else shape,
+                          (1,) if flat else t.stride(), t.dtype, t.device, t._version)
         hit = self._seen.get(key)
         if hit is not None:
             again = hit()
             if again is not None and again.source is not None and again.source() is not None:
                 again.readers += 1
+                if again.shape != shape:
+                    # region codes are laid out in the record's shape: a view of another
+                    # shape is not offered to the region matcher (its op keeps the values)
+                    return Alias(again, shape)
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer)
                 return again
@@ -280,6 +306,11 @@ class Packer:
         self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
             self._regions.note(t, saved, saved.layer)
+        if self._floors.active:  # NOTE [ Bit floors ]
+            for found in self._floors.matches(t):
+                self._raise_to_floor(found)
+            if saved.layer is not None and isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+                self._floors.note(t, saved, saved.layer)
         return saved
 
     def end_forward(self) -> None:
@@ -287,6 +318,7 @@ class Packer:
         for saved, source in self._regions.outputs.leftover():
             self._raise_unread(saved, source)
         self._regions.clear()
+        self._floors.clear()
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
@@ -309,11 +341,14 @@ class Packer:
                     for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                         self._raise_unread(*unread)
 
-    def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         self._regions.clear()  # the forward is over: no pending input can still be matched
+        self._floors.clear()
         if isinstance(saved, torch.Tensor):
             return saved
+        if isinstance(saved, Alias):
+            return self.unpack(saved.alias_of).reshape(saved.shape)
         if isinstance(saved, SavedRef):
             return saved.unpack()
         if saved.owner is not None:
@@ -395,6 +430,10 @@ class Packer:
         mask_nbytes = part.nbytes(numel) if part is not None else 0
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
+        floor = self._floors.result_floor(t) if part is None else None
+        if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
+            rec.numels.pop()
+            return self._at_floor(t, floor, layer, rec)  # NOTE [ Bit floors ]
         if bits >= KEEP_BITS:
             rec.bit_values += 8 * nbytes
             rec.packed_bytes += nbytes
@@ -419,6 +458,59 @@ class Packer:
         rec.packed_bytes += _nbytes(p)
         self._range_stats(t, p, rec)
         return Saved(p, t, () if region is None else (region,), layer=layer)
+
+    def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
+        """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""
+        self._counter += 1
+        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        start = time.perf_counter()
+        try:
+            p: Packed | torch.Tensor = self._codec("quantize").encode(t.detach(), bits=bits, seed=seed)
+        except Exception as exc:  # see NOTE [ Codec fallback ]
+            self._on_fallback(layer, exc)
+            p = t.detach().clone()
+        self.timings.observe_encode(time.perf_counter() - start)
+        nbytes = p.nbytes if isinstance(p, Packed) else t.numel() * t.element_size()
+        rec.fixed_bytes += nbytes
+        rec.floored_bytes += nbytes
+        rec.packed_bytes += nbytes
+        return Saved(p, t, layer=layer)
+
+    def _raise_to_floor(self, found: Raise) -> None:
+        """Store a record packed at its layer's bits again at its op's floor, or exact
+        (NOTE [ Bit floors ]); its values leave the layer's controlled values."""
+        saved, source = found.saved, found.source
+        old = saved.data
+        if not isinstance(old, Packed) or old.codec != "quantize":
+            return
+        old_bits = int(old.params["bits"])
+        if found.bits is not None and old_bits >= found.bits:
+            return
+        self._counter += 1
+        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        start = time.perf_counter()
+        try:
+            new: Packed | torch.Tensor = source.detach().clone() if found.bits is None else \
+                self._codec("quantize").encode(source.detach(), bits=found.bits, seed=seed)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: the record stays as it is
+            self._on_fallback(found.layer, exc)
+            return
+        self.timings.observe_encode(time.perf_counter() - start)
+        saved.data = new
+        nbytes = new.nbytes if isinstance(new, Packed) else source.numel() * source.element_size()
+        rec = self.record(found.layer)
+        rec.packed_bytes += nbytes - old.nbytes
+        rec.fixed_bytes += nbytes
+        rec.floored_bytes += nbytes
+        if source.numel() in rec.numels:
+            rec.numels.remove(source.numel())
+            rec.bit_values = max(0.0, rec.bit_values - old_bits * source.numel())
+        entry = self._metas.get(id(rec))
+        meta = old.buffers.get("meta")
+        if entry is not None and meta is not None:
+            entry[1][:] = [m for m in entry[1] if m is not meta]
+            if not entry[1]:
+                del self._metas[id(rec)]
 
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int) -> LogProbs | None:
         """``t`` as quantised probabilities, or None (kept exact) if that fails."""

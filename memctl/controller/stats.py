@@ -41,6 +41,8 @@ class LayerStep:
     """Sizes of the float tensors the allocation controls (compressed or kept)."""
     fixed_bytes: int = 0
     """Bytes the allocation does not control: small tensors, codec fallbacks."""
+    floored_bytes: int = 0
+    """Bytes of tensors held at a bit floor (NOTE [ Bit floors ]), part of ``fixed_bytes``."""
     mask_bytes: int = 0
     """Bytes of the 1-bit ReLU masks its controlled tensors need when compressed."""
     bit_values: float = 0.0
@@ -72,6 +74,7 @@ class LayerState:
     raw_bytes: int = 0
     packed_bytes: int = 0
     fixed_bytes: int = 0
+    floored_bytes: int = 0
     mask_bytes: int = 0
     other_bytes: int = 0
     numels: tuple[int, ...] = ()
@@ -87,6 +90,7 @@ class LayerState:
         self.raw_bytes = step.raw_bytes
         self.packed_bytes = step.packed_bytes
         self.fixed_bytes = step.fixed_bytes
+        self.floored_bytes = step.floored_bytes
         self.mask_bytes = step.mask_bytes
         self.other_bytes = step.other_bytes
         self.numels = tuple(step.numels)

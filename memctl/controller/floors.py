@@ -1,0 +1,292 @@
+"""Bit floors for the tensors that named autograd ops save, whatever their layer's bits.
+
+NOTE [ Bit floors ]
+Some saved tensors cannot take the few bits the allocation gives their layer, because
+of what the op's backward does with them, not because of their layer:
+
+- ``scaled_dot_product_attention`` saves query, key, value, its output and the
+  logsumexp of each row of logits (the CPU flash kernel; the CUDA kernels save the
+  same plus random-number state). Its backward recomputes the probabilities as
+  ``exp(q·kᵀ·scale − logsumexp)`` from the saved query and key: with 2-bit query and key
+  a logit can exceed the saved logsumexp by several units, and the exponential turns
+  that into probabilities far above 1, a heavy-tailed error that no variance model
+  predicts. An explicit attention, ``softmax(q @ kᵀ · scale) @ v``, saves the operands of
+  its two matmuls and the probabilities (the softmax's result, and again as the second
+  matmul's operand).
+- LayerNorm: its output feeds the linear layers that make the attention's query, key and
+  value (and the MLP's input), whose weight gradients read it; one quantisation group of
+  256 values spans tokens (a ViT of width 192 puts more than one token in a group), so
+  one outlier token widens the range of the whole group. Its input is the residual
+  stream.
+
+So every such tensor is stored at ``max(layer bits, floor)`` bits (``attention_bits``,
+default 8, and ``norm_bits``, default 4, in :class:`~memctl.controller.config.ControllerConfig`;
+``None`` turns a floor off), and the floats an attention op saves that carry no gradient
+(the logsumexp: one value per row, ``1/head_dim`` of the query) are kept exact. Measured
+on the byte-level LM of benchmarks/convergence.py (3 blocks, uniform 2 bits, calibration
+and guard off, 300 steps, seed 0, validation loss against plain): no floor +9.1%; the
+attention's tensors at 8 bits +3.3% (only query and key at 8: +3.9%); LayerNorm's outputs
+at 8 bits as well +1.6%, at 4 bits +1.8%; LayerNorm's inputs alone at 8 bits +3.0%;
+LayerNorm's inputs and outputs at 4 bits (the defaults) +1.5%;
+smaller groups (128 values, one token) for every tensor instead +2.8% (benchmarks/README.md).
+
+A tensor held at its floor is outside the allocation's control: its bytes count as the
+layer's ``fixed_bytes`` (and ``floored_bytes`` in ``stats()["layers"]``), not as values
+the layer's bits decide, nor in its range statistics, so the allocation neither prices
+nor credits them, and the activation ratio counts them as stored.
+
+The ops are recognised by their autograd node's type, as NOTE [ Finding the op that
+saved a tensor ] (regions.py) recognises piecewise activations. An op that saves its
+result (the attention's output, softmax) is known when that result is packed, because
+its ``grad_fn`` is the op's node; an op's output that the next op saves (LayerNorm's, the
+probabilities as a matmul operand) is known from its ``grad_fn`` through view-like nodes
+(:data:`_VIEWS`); an explicit RMSNorm (Hugging Face's ``LlamaRMSNorm``, no node of
+its own) is recognised by its multiplication by an ``rsqrt``. Both get the floor at once.
+Inputs (query, key, value, the matmul operands, LayerNorm's input) are packed before the
+node that saves them exists: the :data:`RECENT` most recent compressed records keep their
+source tensor, keyed by autograd identity, and each later pack walks a few nodes up from its ``grad_fn``
+(view-like nodes cost no step); a table op there whose input edges are recent records
+has them encoded again at the floor. An explicit attention's matmuls are recognised by
+their place: the matmul below a softmax through scaling, masking and views (q @ kᵀ), and
+a matmul with a softmax's output as an operand (p @ v). The floats without a gradient
+packed between an attention op's first input and its output are its own
+non-differentiable outputs (nothing else packs inside one op's autograd wrapper) and are
+kept exact. A record the window has let go keeps its layer's bits (the path without
+floors), never a wrong value. Floors apply to the ``quantize`` codec's records;
+``codec="errorbound"`` keeps its bounds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ATTENTION", "NORM", "RECENT", "FloorTracker", "Raise"]
+
+RECENT = 6
+"""Compressed records that wait for the op that saved them (query, key, value, logsumexp, ...)."""
+
+_WALK_DEPTH = 2
+
+ATTENTION = "attention"
+NORM = "norm"
+
+
+
+@dataclass(frozen=True)
+class _Op:
+    kind: str
+    result: bool
+    """The op saves its own result (floored when packed)."""
+    inputs: bool
+    """The op saves its inputs (floored when the op's node shows up)."""
+    exact_extras: bool = False
+    """Its saved floats without a gradient (logsumexp) are kept exact."""
+    output: bool = False
+    """Its output (or a view of it), when the next op saves it, is floored too."""
+
+
+_SDPA = _Op(ATTENTION, result=True, inputs=True, exact_extras=True)
+_OPS: dict[str, _Op] = {
+    "ScaledDotProductFlashAttentionForCpuBackward0": _SDPA,
+    "ScaledDotProductFlashAttentionBackward0": _SDPA,
+    "ScaledDotProductEfficientAttentionBackward0": _SDPA,
+    "ScaledDotProductCudnnAttentionBackward0": _SDPA,
+    "ScaledDotProductFusedAttentionOverrideableBackward0": _SDPA,
+    "SoftmaxBackward0": _Op(ATTENTION, result=True, inputs=False, output=True),
+    "SafeSoftmaxBackward0": _Op(ATTENTION, result=True, inputs=False, output=True),
+    "NativeLayerNormBackward0": _Op(NORM, result=False, inputs=True, output=True),
+    "FusedRmsNormBackward0": _Op(NORM, result=False, inputs=True, output=True),
+}
+
+# Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input).
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
+                    "TBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0",
+                    "AsStridedBackward0", "CloneBackward0"})
+_WALK_NODES = 16
+
+# An explicit attention: softmax(scale · q @ kᵀ (+ mask)) @ v (NOTE [ Bit floors ]).
+_SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+_MATMULS = frozenset({"BmmBackward0", "MmBackward0"})
+_SCALING = _VIEWS | {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0",
+                     "AddBackward1", "SubBackward0", "SubBackward1", "MaskedFillBackward0",
+                     "MaskedFillBackward1", "WhereBackward0"}
+
+
+def _first_beyond(node: Any, skip: frozenset[str], limit: int = 6) -> Any:
+    """The first node below ``node`` along first inputs whose type is not in ``skip``."""
+    for _ in range(limit):
+        if node is None or type(node).__name__ not in skip:
+            return node
+        edges = node.next_functions
+        node = edges[0][0] if edges else None
+    return None
+
+
+_CASTS = _VIEWS | {"ToCopyBackward0"}
+
+
+def _is_rms_norm(node: Any) -> bool:
+    """Whether ``node`` is an explicit RMSNorm's product (Hugging Face's ``LlamaRMSNorm``:
+    ``weight * (x * rsqrt(mean(x²) + eps))``): a multiplication by an ``rsqrt``, or of
+    such a product by a gain."""
+    if type(node).__name__ != "MulBackward0":
+        return False
+    for nxt, _ in node.next_functions:
+        below = _first_beyond(nxt, _CASTS)
+        name = type(below).__name__ if below is not None else ""
+        if name == "RsqrtBackward0":
+            return True
+        if name == "MulBackward0" and any(
+            type(_first_beyond(n, _CASTS)).__name__ == "RsqrtBackward0" for n, _ in below.next_functions
+        ):
+            return True
+    return False
+
+
+def _attention_matmul(node: Any) -> Any:
+    """The matmul node of an explicit attention that ``node`` identifies, or None: a
+    softmax's logits matmul (q @ kᵀ), or a matmul with a softmax's output as an operand
+    (p @ v)."""
+    name = type(node).__name__
+    if name in _SOFTMAX:
+        edges = node.next_functions
+        below = _first_beyond(edges[0][0], _SCALING) if edges else None
+        return below if below is not None and type(below).__name__ in _MATMULS else None
+    if name in _MATMULS:
+        for nxt, _ in node.next_functions:
+            below = _first_beyond(nxt, _VIEWS)
+            if below is not None and type(below).__name__ in _SOFTMAX:
+                return node
+    return None
+
+
+@dataclass
+class _Recent:
+    source: torch.Tensor
+    version: int
+    node: Any
+    key: tuple[int, int] | None
+    saved: weakref.ref[Any]
+    """Weak: a record autograd has dropped must die."""
+    layer: str
+    order: int
+
+
+@dataclass(frozen=True)
+class Raise:
+    """A recent record to store again: at ``bits``, or exact when ``bits`` is None."""
+
+    saved: Any
+    source: torch.Tensor
+    layer: str
+    bits: int | None
+
+
+class FloorTracker:
+    """Finds the records a floor applies to (NOTE [ Bit floors ])."""
+
+    def __init__(self, floors: dict[str, int | None]) -> None:
+        self._floors = {k: v for k, v in floors.items() if v is not None}
+        self._recent: dict[int, _Recent] = {}
+        self._order = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self._floors)
+
+    def clear(self) -> None:
+        self._recent.clear()
+
+    def result_floor(self, t: torch.Tensor) -> int | None:
+        """The floor of a tensor its own ``grad_fn`` saves as its result (else None)."""
+        node = t.grad_fn
+        if node is None or not self._floors:
+            return None
+        op = _OPS.get(type(node).__name__)
+        if op is None or not op.result:
+            return self._output_floor(node)
+        return self._floors.get(op.kind)
+
+    def _output_floor(self, node: Any) -> int | None:
+        """The floor of a tensor that is (a view of) the output of a table op with ``output``."""
+        for _ in range(_WALK_DEPTH + 2):
+            name = type(node).__name__
+            if name not in _VIEWS:
+                op = _OPS.get(name)
+                if op is None and _is_rms_norm(node):
+                    return self._floors.get(NORM)
+                return self._floors.get(op.kind) if op is not None and op.output else None
+            edges = node.next_functions
+            if not edges or edges[0][0] is None:
+                return None
+            node = edges[0][0]
+        return None
+
+    def note(self, t: torch.Tensor, saved: Any, layer: str) -> None:
+        """Remember a record compressed at its layer's bits, in case a table op saved it."""
+        if not self._floors:
+            return
+        node = t.grad_fn
+        self._order += 1
+        key = None if node is None else (id(node), int(t.output_nr))
+        self._recent[self._order] = _Recent(t, t._version, node, key, weakref.ref(saved), layer, self._order)
+        while len(self._recent) > RECENT:
+            del self._recent[next(iter(self._recent))]
+
+    def matches(self, t: torch.Tensor) -> list[Raise]:
+        """The recent records that a table op at or a few steps above ``t``'s node saved.
+
+        Nodes that only re-index (:data:`_VIEWS`, clones) cost no step; a node created
+        before every recent record's node cannot have consumed one, and the walk stops
+        there (NOTE [ Walking only newer nodes ] in regions.py).
+        """
+        if not self._recent or t.grad_fn is None:
+            return []
+        nodes = [r.node for r in self._recent.values() if r.node is not None]
+        if not nodes:
+            return []
+        oldest = min(n._sequence_nr() for n in nodes)
+        found: list[Raise] = []
+        frontier: list[tuple[Any, int]] = [(t.grad_fn, 0)]
+        seen: set[int] = set()
+        while frontier and len(seen) < _WALK_NODES and self._recent:
+            node, depth = frontier.pop(0)
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node._sequence_nr() < oldest:
+                continue
+            name = type(node).__name__
+            op = _OPS.get(name)
+            if op is not None and op.inputs and op.kind in self._floors:
+                found += self._inputs_of(node, self._floors[op.kind], op.exact_extras)
+            elif NORM in self._floors and _is_rms_norm(node):
+                found += self._inputs_of(node, self._floors[NORM], False)
+            elif ATTENTION in self._floors:
+                matmul = _attention_matmul(node)
+                if matmul is not None:
+                    found += self._inputs_of(matmul, self._floors[ATTENTION], False)
+            step = 0 if name in _VIEWS else 1
+            if depth + step <= _WALK_DEPTH:
+                frontier.extend((e[0], depth + step) for e in node.next_functions if e[0] is not None)
+        return found
+
+    def _inputs_of(self, node: Any, bits: int | None, extras_exact: bool) -> list[Raise]:
+        keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
+        hits = [r for r in self._recent.values()
+                if r.key is not None and r.key in keys and keys[r.key] is r.node]
+        if not hits:
+            return []
+        first = min(r.order for r in hits)
+        extras = [r for r in self._recent.values() if extras_exact and r.node is None and r.order > first]
+        out: list[Raise] = []
+        for r, b in [(r, bits) for r in hits] + [(r, None) for r in extras]:
+            del self._recent[r.order]
+            saved = r.saved()
+            if saved is not None and r.source._version == r.version:
+                out.append(Raise(saved, r.source, r.layer, b))
+        return out

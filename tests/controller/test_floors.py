@@ -1,0 +1,258 @@
+"""Bit floors for what attention and LayerNorm save (NOTE [ Bit floors ], memctl/controller/floors.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memctl
+from memctl.codecs.base import Packed
+from memctl.controller.config import ControllerConfig
+from memctl.controller.hooks import ModuleTracker
+from memctl.controller.packing import Alias, Packer, Saved
+from memctl.errors import ConfigError
+
+
+def _packer(**config: Any) -> Packer:
+    tracker = ModuleTracker()
+    tracker.model_depth = 1
+
+    def fail(layer: str, exc: BaseException) -> None:
+        raise AssertionError(f"codec fallback in {layer}: {exc}")
+
+    return Packer(ControllerConfig(min_numel=0, **config), tracker, lambda layer: (2.0, None), fail)
+
+
+def _stored_bits(saved: Any) -> int | None:
+    """The bits a record's values are stored at (None: an exact copy)."""
+    assert isinstance(saved, Saved)
+    if isinstance(saved.data, torch.Tensor):
+        return None
+    assert isinstance(saved.data, Packed) and saved.data.codec == "quantize"
+    return int(saved.data.params["bits"])
+
+
+def _attention_records(packer: Packer) -> tuple[list[Any], list[torch.Tensor], torch.Tensor]:
+    """Pack what a self-attention saves; returns the records, the packed tensors and the output."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
+    w = torch.randn(96, 32, generator=g, requires_grad=True)
+    records: list[Any] = []
+    tensors: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append(saved)
+        tensors.append(t)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        packer.set_parameters(nn.Module())
+        q, k, v = (x @ w.t()).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return records, tensors, out
+
+
+def test_attention_saves_are_held_at_the_floor_and_logsumexp_exact() -> None:
+    records, tensors, out = _attention_records(_packer())
+    node = out.grad_fn
+    assert node is not None and "Attention" in type(node).__name__
+    inputs = {(id(n), nr) for n, nr in node.next_functions if n is not None}
+    kinds = []
+    for saved, t in zip(records, tensors, strict=True):
+        if t.grad_fn is node:
+            kinds.append(("output", _stored_bits(saved)))
+        elif t.grad_fn is not None and (id(t.grad_fn), t.output_nr) in inputs:
+            kinds.append(("input", _stored_bits(saved)))
+        elif t.grad_fn is None and t.dim() == 3:
+            kinds.append(("logsumexp", _stored_bits(saved)))
+    assert sorted(kinds) == [("input", 8)] * 3 + [("logsumexp", None), ("output", 8)]
+
+
+def test_without_the_floor_attention_saves_take_the_layer_bits() -> None:
+    records, tensors, _ = _attention_records(_packer(attention_bits=None))
+    for saved, t in zip(records, tensors, strict=True):
+        if isinstance(saved, Saved) and t.is_floating_point() and t.dim() >= 3:
+            assert _stored_bits(saved) == 2
+
+
+def test_floored_bytes_are_fixed_and_counted_as_stored() -> None:
+    packer = _packer()
+    records, tensors, _ = _attention_records(packer)
+    (rec,) = packer.finish_step().values()
+    held = 0
+    for saved in records:
+        if isinstance(saved, Saved):
+            held += saved.data.nbytes if isinstance(saved.data, Packed) else saved.data.numel() * 4
+    assert rec.packed_bytes == held  # the records' real bytes, after the floor raised them
+    attention = sum(s.data.nbytes if isinstance(s.data, Packed) else s.data.numel() * 4
+                    for s, t in zip(records, tensors, strict=True)
+                    if isinstance(s, Saved) and (_stored_bits(s) or 0) != 2)
+    assert rec.floored_bytes == attention > 0
+    assert rec.fixed_bytes >= rec.floored_bytes
+    # what stays under the allocation's control: the matmul's operands, at 2 bits
+    assert sorted(rec.numels) == [2 * 16 * 32, 96 * 32]
+    assert rec.bit_values == 2 * (2 * 16 * 32 + 96 * 32)
+
+
+def test_explicit_attention_probabilities_are_floored() -> None:
+    packer = _packer()
+    a = torch.randn(2, 4, 16, 16, requires_grad=True) * 1.0
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        p = torch.softmax(a, dim=-1)
+    saved = packer.pack(p)
+    assert _stored_bits(saved) == 8
+
+
+def test_explicit_attention_matmul_operands_are_floored() -> None:
+    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
+    w_in = torch.randn(96, 32, generator=g, requires_grad=True)
+    w_out = torch.randn(32, 32, generator=g, requires_grad=True)
+    packer = _packer()
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        packer.set_parameters(nn.Module())
+        q, k, v = (z.view(2, 16, 4, 8).transpose(1, 2) for z in F.linear(x, w_in).chunk(3, dim=-1))
+        p = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, dim=-1)
+        y = (p @ v).transpose(1, 2).reshape(2, 16, 32)
+        F.linear(y, w_out)
+    bits = [_stored_bits(s) for s, t in records if isinstance(s, Saved) and t.grad_fn is not None]
+    # the first linear's weight and input (2 bits), q and k (8), p (8), v as the second
+    # matmul's operand (8), the last linear's weight and input (2 bits)
+    assert bits == [2, 2, 8, 8, 8, 8, 2, 2]
+    # p as the second matmul's operand (a 3-D view of the softmax's result): the same record
+    (alias,) = [s for s, _ in records if isinstance(s, Alias)]
+    softmax = next(s for s, t in records
+                   if t.grad_fn is not None and type(t.grad_fn).__name__ == "SoftmaxBackward0")
+    assert alias.alias_of is softmax and alias.shape == (8, 16, 16)
+
+
+def test_layer_norm_output_saved_by_the_next_layer_takes_the_norm_floor() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    packer = _packer(norm_bits=4)
+    packer.set_parameters(nn.Module())
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        y = F.layer_norm(x * 2.0, (64,))
+        saved = packer.pack(y.view(-1, 64))  # what F.linear saves of a 3-D input
+    assert _stored_bits(saved) == 4
+
+
+def test_layer_norm_input_is_held_at_the_norm_floor() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True) * 1.0
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    for options, expected in (({"norm_bits": None}, 2), ({}, 4), ({"norm_bits": 8}, 8)):
+        packer = _packer(**options)
+        packer.set_parameters(nn.Module())
+        records: list[tuple[Any, torch.Tensor]] = []
+
+        def pack(t: torch.Tensor, packer: Packer = packer, records: list[Any] = records) -> Any:
+            saved = packer.pack(t)
+            records.append((saved, t))
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+            h = x * 2.0 + 1.0  # the norm's input has a grad_fn, as a residual stream has
+            F.linear(F.layer_norm(h, (64,)), w)
+        (norm_input,) = [s for s, t in records if t.shape == h.shape and t.grad_fn is h.grad_fn]
+        assert _stored_bits(norm_input) == expected
+
+
+def test_a_floor_never_lowers_the_layer_bits() -> None:
+    tracker = ModuleTracker()
+    tracker.model_depth = 1
+    packer = Packer(ControllerConfig(min_numel=0, attention_bits=4), tracker, lambda layer: (8.0, None),
+                    lambda layer, exc: None)
+    records, tensors, _ = _attention_records(packer)
+    assert {_stored_bits(s) for s, t in zip(records, tensors, strict=True)
+            if isinstance(s, Saved) and t.grad_fn is not None} == {8}
+
+
+@pytest.mark.parametrize("field", ["attention_bits", "norm_bits"])
+@pytest.mark.parametrize("value", [1, 3, 16, True])
+def test_floor_bits_are_validated(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        ControllerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+def _grad(attention_bits: int | None, exact: bool = False) -> tuple[torch.Tensor, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = _Attention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 32, 64, generator=g) * 3.0
+    upstream = torch.randn(8, 32, 64, generator=g)
+    ctl = None
+    if not exact:
+        ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), calibration_fraction=0.0,
+                                attention_bits=attention_bits, monitor_interval_s=0)
+    (model(x) * upstream).sum().backward()
+    opt.step()
+    stats: dict[str, Any] = {}
+    if ctl is not None:
+        stats = {layer["name"]: layer for layer in ctl.stats()["layers"]}
+        ctl.detach()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats
+
+
+def test_attention_floor_brings_the_two_bit_gradient_close_to_plain() -> None:
+    plain, _ = _grad(None, exact=True)
+    floored, stats = _grad(8)
+    bare, _ = _grad(None)
+    err_floored = float((floored - plain).norm() / plain.norm())
+    err_bare = float((bare - plain).norm() / plain.norm())
+    assert err_floored < 0.5 * err_bare
+    assert sum(row["floored_bytes"] for row in stats.values()) > 0  # reported in stats()["layers"]
+
+
+def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
+    """Hugging Face's LlamaRMSNorm: weight * (x * rsqrt(mean(x²) + eps))."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    gain = torch.ones(64, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        packer.set_parameters(nn.Module())
+        h = x * 2.0  # the residual stream
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y = gain * normed
+        F.linear(y, w)
+    by_kind = {("input" if t is h else "normalised" if t is normed else "output" if t.shape == (64, 64)
+                and type(t.grad_fn).__name__ == "ViewBackward0" else None): _stored_bits(s)
+               for s, t in records if isinstance(s, Saved) and t.shape != (4, 16, 1)}
+    assert by_kind["input"] == by_kind["normalised"] == by_kind["output"] == 4
