@@ -82,11 +82,13 @@ import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.derived import DERIVED_MAX_BITS, Derived
+from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
+from memctl.controller.inputs import ModelInputs
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
+from memctl.controller.normalized import chain_of, verified
 from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
@@ -153,6 +155,8 @@ class Packer:
         """Micro-batches (forwards that backward read) in the last finished step."""
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
         self._regions = RegionTracker()
+        self.inputs = ModelInputs()
+        """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -236,7 +240,7 @@ class Packer:
             return t
         self.observe(t)
         ptr = local_tensor(t).untyped_storage().data_ptr()
-        if ptr in self._param_ptrs:
+        if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
         key: _DedupKey = (ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype,
@@ -267,6 +271,7 @@ class Packer:
         for saved, source in self._regions.outputs.leftover():
             self._raise_unread(saved, source)
         self._regions.clear()
+        self.inputs.clear()
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
@@ -279,15 +284,18 @@ class Packer:
                 for pending, part in self._regions.matches(t):
                     saved = pending.saved()
                     if saved is not None:
-                        self._attach_region(saved, part, pending.source, pending.layer)
-                        if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+                        if part is not None:
+                            self._attach_region(saved, part, pending.source, pending.layer)
+                        root = root_of(saved).data  # NOTE [ Batch-norm outputs recomputed from the input ]
+                        if isinstance(root, Packed) and root.codec == "quantize":
                             offers = self._regions.outputs
                             for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                                 self._raise_unread(*unread)
 
     def unpack(self, saved: Saved | SavedRef | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
-        self._regions.clear()  # the forward is over: no pending input can still be matched
+        if torch._C._current_autograd_node() is not None:  # not a node field read while packing
+            self._regions.clear()  # the forward is over: no pending input can still be matched
         if isinstance(saved, torch.Tensor):
             return saved
         if isinstance(saved, SavedRef):
@@ -367,6 +375,8 @@ class Packer:
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t, layer=layer)
         derived = self._derive(t, bits, layer, rec) if part is None else None
+        if derived is None and (part is None or part == RELU):
+            derived = self._derive_normalized(t, bits, layer, rec, part)
         if derived is not None:
             return derived
         self._counter += 1
@@ -415,28 +425,85 @@ class Packer:
         if offer is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
         source_saved, source, fn, key = offer
-        old = source_saved.data
-        if not isinstance(old, Packed) or old.codec != "quantize":
+        # NOTE [ Batch-norm outputs recomputed from the input ]: the input record may itself be
+        # derived; the bits go to the record at the chain's start, re-encoded from its own tensor
+        root = root_of(source_saved)
+        old = root.data
+        root_source = source if root is source_saved else self._regions.outputs.raw(root)
+        if not isinstance(old, Packed) or old.codec != "quantize" or root_source is None:
             return None
-        raised = min(DERIVED_MAX_BITS, int(old.params["bits"]) + int(bits))
-        start = time.perf_counter()
         try:
             if key not in self._regions.outputs.verified:
                 if not torch.equal(fn(source.detach()), t.detach()):
                     return None  # f not rebuilt exactly from the node: keep y's own record
                 self._regions.outputs.verified.add(key)
-            self._counter += 1
-            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
-            p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
             self._on_fallback(layer, exc)
             return None
-        self.timings.observe_encode(time.perf_counter() - start)
-        source_saved.data = p
+        if not self._raise_root(root, root_source, int(bits), layer, rec):
+            return None
         rec.bit_values += bits * t.numel()
-        rec.packed_bytes += p.nbytes - old.nbytes  # the bytes y's own record would have held
         self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
         return Saved(Derived(source_saved, fn), t, layer=layer)
+
+    def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> bool:
+        """``root``'s payload again at ``bits`` more (within the codec's widths); its growth counted in
+        ``rec``, the layer of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
+        old = root.data
+        if not isinstance(old, Packed):
+            return False
+        raised = width_within(int(old.params["bits"]) + bits)
+        if raised > int(old.params["bits"]):
+            start = time.perf_counter()
+            self._counter += 1
+            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+            try:
+                p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
+            except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
+                self._on_fallback(layer, exc)
+                return False
+            self.timings.observe_encode(time.perf_counter() - start)
+            root.data = p
+            rec.packed_bytes += p.nbytes - old.nbytes  # the bytes the derived record would have held
+        return True
+
+    def _derive_normalized(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep,
+                           part: Partition | None) -> Saved | None:
+        """``t`` recomputed from its batch norm's input record (NOTE [ Batch-norm outputs ... ])."""
+        chain = chain_of(t)
+        if chain is None or self._config.codec is CodecMode.ERRORBOUND:
+            return None
+        pending = self._regions.pending(chain.source, chain.source_node)
+        root = pending.saved() if pending is not None else None
+        if pending is None or root is None or not isinstance(root.data, Packed) \
+                or root.data.codec != "quantize":
+            return None
+        z = pending.source
+        if z.shape != t.shape or z.dtype != t.dtype:
+            return None
+        fn = chain.function(z, t)
+        if fn is None:
+            return None
+        key = (chain.key, t.dtype, t.device.type)
+        region = None
+        try:
+            if key not in self._regions.outputs.verified:
+                if not verified(fn, z.detach(), t):
+                    return None  # not rebuilt from the node: keep t's own record
+                self._regions.outputs.verified.add(key)
+            if part is not None:
+                region = self._region_code(t.detach(), part)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
+            self._on_fallback(layer, exc)
+            return None
+        if not self._raise_root(root, z, int(bits), layer, rec):
+            return None
+        self._regions.outputs.remember(root, z)
+        if region is not None:
+            rec.packed_bytes += region.nbytes
+        rec.bit_values += bits * t.numel()
+        self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
+        return Saved(Derived(root, fn), t, () if region is None else (region,), layer=layer)
 
     def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
         """A value-dependent op's input at twice its bits when no record holds its output.

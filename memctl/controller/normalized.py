@@ -1,0 +1,166 @@
+"""Batch-norm outputs recomputed from the batch norm's saved input (no payload of their own).
+
+NOTE [ Batch-norm outputs recomputed from the input ]
+A convolution block ``z = conv(·)``, ``x = batch_norm(z)``, ``y = act(x)`` saves three
+tensors of one shape: batch norm saves its input ``z``, the activation saves its input
+``x`` (hardswish, SiLU, hardtanh, ...: directly, or as the clone an in-place form takes)
+or its result ``y`` (ReLU, in place or not), and the next layer saves ``y``. In training
+and in eval mode ``x`` is a per-channel affine function of ``z``: ``x = a·z + c`` with
+``a = weight·invstd`` and ``c = bias - mean·a``, and ``y`` a function of ``x``
+(NOTE [ Outputs recomputed from the input ] in derived.py). The three records, each
+quantised at the layers' own bits, hold one tensor's information three times, and each
+carries its own error: at 2 bits the whole-model gradient of such a net loses more than
+a ReLU net's, and more than what the activation's own records explain (benchmarks/
+README.md, ``activations.py``: even with the activation's input and output exact,
+hardtanh, SELU and softshrink nets stayed under ReLU's, from the error of ``z``).
+
+So when a tensor ``t`` is packed whose ``grad_fn`` is a batch norm (``x`` itself), a
+``CloneBackward0`` of one (an in-place activation's copy of ``x``) or a ``ReluBackward0``
+of one (``y = relu(x)``), and the batch norm's input is a quantised record still pending
+(NOTE [ Finding the op that saved a tensor ] in regions.py), ``t`` keeps no payload: its
+record decodes ``ẑ`` and applies ``a·ẑ + c`` (and ReLU), and ``z``'s record is encoded
+again at the widest codec width within ``b_z + b_t`` bits (at most 8): 2 + 2 bits give
+one 4-bit record where there were two 2-bit ones, so the bytes never grow and every
+read is at least as fine as before. A ReLU result keeps its exact mask (region code) on
+top, so its zeros stay exact. The activation's output ``y`` is then recomputed from
+``x``'s record as before, and its bits also go to ``z``'s record (the root of the chain).
+
+``c`` needs the batch norm's bias, which its node does not save: it is read from the
+bias's gradient accumulator (the node's third input edge), or is 0 without affine
+parameters; for ``x`` itself (or its clone) it is measured as ``x - a·z`` at the first
+value of each channel. A frozen bias under a ReLU is not derived. The rebuilt function
+is compared with ``t`` (to a few units in the last place of ``t``'s largest value: the
+kernel's rounding order differs) the first time per chain, dtype and device type; a
+mismatch keeps ``t``'s own record for good (per controller). Not derived: ``z`` kept as
+a copy or under the error-bound codec, ``z`` modified in place since it was packed,
+other normalisations (their statistics are per sample), cuDNN's batch-norm node (not
+checked on a GPU here), and anything between the batch norm and ``t`` but the above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Chain", "chain_of", "verified"]
+
+Function = Callable[[torch.Tensor], torch.Tensor]
+
+_BATCH_NORM = frozenset({"NativeBatchNormBackward0"})
+# grad_fn name -> the elementwise op between the batch norm and the packed tensor.
+_AFTER: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
+    "CloneBackward0": None,  # an in-place activation's copy of x: x itself
+    "ReluBackward0": torch.relu,
+}
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``t = after(a·z + c)`` for the batch norm input ``z`` (NOTE [ Batch-norm outputs ... ])."""
+
+    source: tuple[int, int]
+    """The autograd key ``(id(grad_fn), output_nr)`` of ``z``."""
+    source_node: Any
+    node: Any
+    """The batch norm's node."""
+    after: str | None
+    """The op between the batch norm and ``t`` (None: ``t`` is the batch norm's output)."""
+
+    @property
+    def key(self) -> str:
+        return type(self.node).__name__ + ("" if self.after is None else "+" + self.after)
+
+    def function(self, z: torch.Tensor, t: torch.Tensor) -> Function | None:
+        """The rebuilt ``z -> t`` (None when the node's parameters cannot be read)."""
+        try:
+            affine = _affine(self.node, z, None if self.after == "ReluBackward0" else t)
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
+            return None
+        if affine is None:
+            return None
+        a, c = affine
+        shape = [1, -1] + [1] * (z.dim() - 2)
+        a, c = a.view(shape), c.view(shape)
+        op = _AFTER.get(self.after) if self.after is not None else None
+        dtype = t.dtype
+
+        def fn(v: torch.Tensor) -> torch.Tensor:
+            x = torch.addcmul(c, v.to(a.dtype), a).to(dtype)
+            return x if op is None else op(x)
+
+        return fn
+
+
+def chain_of(t: torch.Tensor) -> Chain | None:
+    """The batch norm chain ``t`` is the end of (NOTE [ Batch-norm outputs ... ]), else None."""
+    node = t.grad_fn
+    if node is None or int(t.output_nr) != 0 or t.dim() < 2:
+        return None
+    after = None
+    name = type(node).__name__
+    if name in _AFTER:
+        after = name
+        node, nr = node.next_functions[0] if node.next_functions else (None, 0)
+        if node is None or int(nr) != 0:
+            return None
+    if type(node).__name__ not in _BATCH_NORM or not node.next_functions:
+        return None
+    source, nr = node.next_functions[0]
+    if source is None:
+        return None
+    return Chain((id(source), int(nr)), source, node, after)
+
+
+def verified(fn: Function, z: torch.Tensor, t: torch.Tensor) -> bool:
+    """``fn(z)`` equals ``t`` up to the rounding of a differently ordered kernel."""
+    got = fn(z)
+    if got.shape != t.shape or got.dtype != t.dtype:
+        return False
+    scale = float(t.detach().abs().amax()) if t.numel() else 0.0
+    tol = 16.0 * float(torch.finfo(t.dtype).eps) * max(scale, 1.0)
+    diff = (got.float() - t.detach().float()).abs()
+    return bool(torch.isfinite(diff).all()) and float(diff.amax()) <= tol
+
+
+def _affine(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per-channel ``(a, c)`` in float32 with ``x = a·z + c``, or None."""
+    channels = int(z.shape[1])
+    training = bool(node._saved_training)
+    if training:
+        mean, invstd = node._saved_result1, node._saved_result2
+    else:
+        mean, var = node._saved_running_mean, node._saved_running_var
+        if mean is None or var is None:
+            return None
+        invstd = torch.rsqrt(var.float() + float(node._saved_eps))
+    if mean is None or invstd is None or mean.numel() != channels or invstd.numel() != channels:
+        return None
+    weight = node._saved_weight
+    a = invstd.detach().float().reshape(-1)
+    if weight is not None:
+        a = a * weight.detach().float().reshape(-1)
+    bias = _bias(node)
+    if bias is not None:
+        c = bias.float().reshape(-1) - mean.detach().float().reshape(-1) * a
+    elif weight is None:
+        c = -mean.detach().float().reshape(-1) * a
+    elif x is not None:  # measured at each channel's first value
+        z0 = z.detach()[0].reshape(channels, -1)[:, 0].float()
+        x0 = x.detach()[0].reshape(channels, -1)[:, 0].float()
+        c = x0 - a * z0
+    else:
+        return None
+    if c.numel() != channels:
+        return None
+    return a.contiguous(), c.contiguous()
+
+
+def _bias(node: Any) -> torch.Tensor | None:
+    edges = node.next_functions
+    if len(edges) < 3 or edges[2][0] is None:
+        return None
+    var = getattr(edges[2][0], "variable", None)
+    return var.detach() if isinstance(var, torch.Tensor) else None
