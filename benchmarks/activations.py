@@ -1,7 +1,7 @@
 """Whole-model weight-gradient cosine against plain PyTorch, per piecewise activation.
 
 Run ``python benchmarks/activations.py [--acts relu,hardswish,...] [--seeds 5] [--bits 8,4,2]
-[--mode derived|separate|exact-act]``.
+[--mode derived|no-chain|no-input|separate|exact-act]``.
 
 The net is two conv -> BatchNorm -> activation blocks, a global mean and a linear head
 (16 images 3x16x16, 10 classes), the layout of ``tests/controller/test_regions.py``. For
@@ -10,10 +10,16 @@ each activation, bit width and seed it computes the weight gradient of one batch
 plain, and prints the mean and the lowest cosine over the seeds, and the activation
 ratio memctl reports. Modes:
 
-    derived    as shipped (NOTE [ Outputs recomputed from the input ] in memctl/controller/derived.py)
-    separate   the activation's input and output as separate records (the path before it)
-    exact-act  the activation's input and output kept exact, everything else at b bits:
-               the ceiling any treatment of the activation's own tensors can reach
+    derived    as shipped (NOTE [ Outputs recomputed from the input ] in memctl/controller/derived.py,
+               NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py,
+               NOTE [ Model inputs ] in inputs.py)
+    no-chain   as shipped, but batch-norm outputs keep their own records
+    no-input   as shipped, but the model's input (the image) is compressed like any tensor
+    separate   the batch norm's input, the activation's input and its output as separate records,
+               the image compressed (the path before all three)
+    exact-act  the activation's input and output kept exact, everything else at b bits
+               (batch-norm outputs keep their own records): what is left of the error is the
+               other layers' tensors'
 
 With ``--train-steps N`` it also trains a MobileNet-style net (ReLU6 stem, two inverted
 residual blocks with hardswish) N AdamW steps plain and at 2 bits, and prints the share
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memctl
-from memctl.controller import derived, packing
+from memctl.controller import derived, inputs, packing
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "relu6": nn.ReLU6, "leaky_relu": lambda: nn.LeakyReLU(0.1), "hardtanh": nn.Hardtanh,
@@ -130,6 +136,13 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
 def _set_mode(mode: str) -> None:
     if mode == "derived":
         return
+    if mode in ("no-input", "separate"):
+        inputs.ModelInputs.holds = lambda self, t, ptr: False  # type: ignore[method-assign]
+    if mode == "no-input":
+        return
+    packing.chain_of = lambda t: None  # type: ignore[assignment]
+    if mode == "no-chain":
+        return
     derived.DerivableOutputs.take = lambda self, t: None  # type: ignore[method-assign]
     derived.DerivableOutputs.leftover = lambda self: []  # type: ignore[method-assign]
     if mode == "separate":
@@ -172,7 +185,8 @@ def main() -> None:
     parser.add_argument("--acts", default=",".join(ACTIVATIONS))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--bits", default="8,4,2")
-    parser.add_argument("--mode", choices=("derived", "separate", "exact-act"), default="derived")
+    parser.add_argument("--mode", choices=("derived", "no-chain", "no-input", "separate", "exact-act"),
+                        default="derived")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also train a MobileNet-style net this many steps, plain and at 2 bits")
     args = parser.parse_args()

@@ -14,7 +14,9 @@ whose derivative is exact and whose output is half exact zeros.
 ``y`` holds no information that ``x`` lacks, so memctl spends the bits on one record
 instead of two: when ``y`` is packed and it is the direct output (``y.grad_fn`` is the
 op's node) of a table op whose input record is a quantised payload, ``x`` is encoded
-again at ``min(8, b_x + b_y)`` bits and ``y``'s record keeps no payload; unpacking it
+again at ``b_x + b_y`` bits (at most 8, rounded down to a width of the codec: 1, 2, 4 or
+8; 1 + 2 bits give 2, and the bit left over is saved, never spent beyond what the
+layers were given) and ``y``'s record keeps no payload; unpacking it
 decodes ``x̂`` (projected into its regions) and applies ``f`` with the node's own
 parameters. The bytes are those of the two records before (``b_x + b_y`` bits per
 value), the error of both reads is that of one record at twice the bits (the step
@@ -22,6 +24,14 @@ shrinks about 5x from 2 to 4 bits), and ``f`` is Lipschitz on the regions, so ``
 error is at most ``x̂``'s times ``f'`` (ELU's negative branch shrinks it by ``exp(x)``).
 The extra bytes of ``x``'s record are counted in ``y``'s layer, which still prices
 ``b_y`` bits per value of ``y``: the allocation's per-layer accounting is unchanged.
+
+Smooth ops that save their input (SiLU, GELU, Mish: ``regions.SMOOTH``) have no branch
+to keep but the same pair of records (EfficientNet's in-place SiLU before a depthwise
+convolution, a transformer's GELU between two linear layers); they are matched like the
+table's ops, with no region code, and their output is recomputed the same way. When
+``x``'s record is itself recomputed from a batch norm's input (NOTE [ Batch-norm outputs
+recomputed from the input ] in normalized.py), ``y``'s bits go to that record, the start
+of the chain.
 
 Alternatives tried on the conv net of ``benchmarks/activations.py`` (2 bits, 5 seeds;
 one-off experiments, not kept as benchmark modes):

@@ -8,11 +8,12 @@ or its result ``y`` (ReLU, in place or not), and the next layer saves ``y``. In 
 and in eval mode ``x`` is a per-channel affine function of ``z``: ``x = a·z + c`` with
 ``a = weight·invstd`` and ``c = bias - mean·a``, and ``y`` a function of ``x``
 (NOTE [ Outputs recomputed from the input ] in derived.py). The three records, each
-quantised at the layers' own bits, hold one tensor's information three times, and each
-carries its own error: at 2 bits the whole-model gradient of such a net loses more than
-a ReLU net's, and more than what the activation's own records explain (benchmarks/
-README.md, ``activations.py``: even with the activation's input and output exact,
-hardtanh, SELU and softshrink nets stayed under ReLU's, from the error of ``z``).
+quantised at the layers' own bits, hold one tensor's information three times. Of the
+three, ``z`` is read least: batch norm's backward reads it only through per-channel
+sums (its weight's gradient and the ``x̂·mean(g·x̂)`` term), while ``y`` is read value by
+value by the next layer's weight gradient and ``x`` by value-dependent derivatives; a
+ReLU net kept ``y`` at 2 bits, the other activations' nets ``x`` and ``y`` at 4 bits
+and ``z`` at 2 (through derived.py), 6 bits per value where one record holds it all.
 
 So when a tensor ``t`` is packed whose ``grad_fn`` is a batch norm (``x`` itself), a
 ``CloneBackward0`` of one (an in-place activation's copy of ``x``) or a ``ReluBackward0``
@@ -23,7 +24,12 @@ again at the widest codec width within ``b_z + b_t`` bits (at most 8): 2 + 2 bit
 one 4-bit record where there were two 2-bit ones, so the bytes never grow and every
 read is at least as fine as before. A ReLU result keeps its exact mask (region code) on
 top, so its zeros stay exact. The activation's output ``y`` is then recomputed from
-``x``'s record as before, and its bits also go to ``z``'s record (the root of the chain).
+``x``'s record as before, and its bits also go to ``z``'s record (the root of the chain):
+``z``, ``x`` and ``y`` at 2 bits each become one 4-bit record (the codec has no 6-bit
+width: the 2 bits left over are bytes saved, not spent). On the conv nets of
+``benchmarks/activations.py`` at 2 bits this took ReLU's net from 0.983 to 0.991 (its
+result now read at 4 bits) and the ratio of the other activations' nets from 12.2x to
+14.9x at the same or better cosine (figures in benchmarks/README.md).
 
 ``c`` needs the batch norm's bias, which its node does not save: it is read from the
 bias's gradient accumulator (the node's third input edge), or is 0 without affine
