@@ -79,25 +79,31 @@ class Chain:
     def key(self) -> str:
         return type(self.node).__name__ + ("" if self.after is None else "+" + self.after)
 
-    def function(self, z: torch.Tensor, t: torch.Tensor) -> Function | None:
-        """The rebuilt ``z -> t`` (None when the node's parameters cannot be read)."""
+    def functions(self, z: torch.Tensor, t: torch.Tensor) -> tuple[Function, Function, Function] | None:
+        """``(normalise, z from n, t from n)`` with ``n = (z - mean)·invstd`` (NOTE [ Batch-norm outputs
+        ... ], "Normalised coordinates"); None when the node's parameters cannot be read."""
         try:
-            affine = _affine(self.node, z, None if self.after == "ReluBackward0" else t)
+            stats = _statistics(self.node, z, None if self.after == "ReluBackward0" else t)
         except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
             return None
-        if affine is None:
+        if stats is None:
             return None
-        a, c = affine
         shape = [1, -1] + [1] * (z.dim() - 2)
-        a, c = a.view(shape), c.view(shape)
+        mean, invstd, gamma, beta = (v.view(shape) for v in stats)
         op = _AFTER.get(self.after) if self.after is not None else None
-        dtype = t.dtype
+        z_dtype, t_dtype = z.dtype, t.dtype
 
-        def fn(v: torch.Tensor) -> torch.Tensor:
-            x = torch.addcmul(c, v.to(a.dtype), a).to(dtype)
+        def normalise(v: torch.Tensor) -> torch.Tensor:
+            return (v.to(mean.dtype) - mean).mul_(invstd)
+
+        def source(n: torch.Tensor) -> torch.Tensor:
+            return torch.addcdiv(mean, n.to(mean.dtype), invstd).to(z_dtype)
+
+        def output(n: torch.Tensor) -> torch.Tensor:
+            x = torch.addcmul(beta, n.to(mean.dtype), gamma).to(t_dtype)
             return x if op is None else op(x)
 
-        return fn
+        return normalise, source, output
 
 
 def chain_of(t: torch.Tensor) -> Chain | None:
@@ -121,7 +127,7 @@ def chain_of(t: torch.Tensor) -> Chain | None:
 
 
 def verified(fn: Function, z: torch.Tensor, t: torch.Tensor) -> bool:
-    """``fn(z)`` equals ``t`` up to the rounding of a differently ordered kernel."""
+    """``fn(z)`` equals ``t`` up to the rounding of a differently ordered computation."""
     got = fn(z)
     if got.shape != t.shape or got.dtype != t.dtype:
         return False
@@ -131,11 +137,13 @@ def verified(fn: Function, z: torch.Tensor, t: torch.Tensor) -> bool:
     return bool(torch.isfinite(diff).all()) and float(diff.amax()) <= tol
 
 
-def _affine(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per-channel ``(a, c)`` in float32 with ``x = a·z + c``, or None."""
+_Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | None:
+    """Per-channel ``(mean, invstd, weight, bias)`` (float32), ``x = weight·(z - mean)·invstd + bias``."""
     channels = int(z.shape[1])
-    training = bool(node._saved_training)
-    if training:
+    if bool(node._saved_training):
         mean, invstd = node._saved_result1, node._saved_result2
     else:
         mean, var = node._saved_running_mean, node._saved_running_var
@@ -144,24 +152,26 @@ def _affine(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> tuple[torch.T
         invstd = torch.rsqrt(var.float() + float(node._saved_eps))
     if mean is None or invstd is None or mean.numel() != channels or invstd.numel() != channels:
         return None
+    mean = mean.detach().float().reshape(-1)
+    invstd = invstd.detach().float().reshape(-1)
+    if not bool((invstd > 0).all()) or not bool(torch.isfinite(invstd).all()):
+        return None
     weight = node._saved_weight
-    a = invstd.detach().float().reshape(-1)
-    if weight is not None:
-        a = a * weight.detach().float().reshape(-1)
+    gamma = torch.ones_like(mean) if weight is None else weight.detach().float().reshape(-1)
     bias = _bias(node)
     if bias is not None:
-        c = bias.float().reshape(-1) - mean.detach().float().reshape(-1) * a
+        beta = bias.float().reshape(-1)
     elif weight is None:
-        c = -mean.detach().float().reshape(-1) * a
+        beta = torch.zeros_like(mean)
     elif x is not None:  # measured at each channel's first value
         z0 = z.detach()[0].reshape(channels, -1)[:, 0].float()
         x0 = x.detach()[0].reshape(channels, -1)[:, 0].float()
-        c = x0 - a * z0
+        beta = x0 - gamma * (z0 - mean) * invstd
     else:
         return None
-    if c.numel() != channels:
+    if gamma.numel() != channels or beta.numel() != channels:
         return None
-    return a.contiguous(), c.contiguous()
+    return mean.contiguous(), invstd.contiguous(), gamma.contiguous(), beta.contiguous()
 
 
 def _bias(node: Any) -> torch.Tensor | None:

@@ -446,14 +446,16 @@ class Packer:
         self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
         return Saved(Derived(source_saved, fn), t, layer=layer)
 
-    def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> bool:
-        """``root``'s payload again at ``bits`` more (within the codec's widths); its growth counted in
-        ``rec``, the layer of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
+    def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
+                    force: bool = False) -> bool:
+        """``root``'s payload again at ``bits`` more (within the codec's widths), encoded from ``source``
+        (also when the width does not grow, if ``force``); its growth counted in ``rec``, the layer of
+        the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
         old = root.data
         if not isinstance(old, Packed):
             return False
         raised = width_within(int(old.params["bits"]) + bits)
-        if raised > int(old.params["bits"]):
+        if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
             self._counter += 1
             seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
@@ -474,36 +476,46 @@ class Packer:
         if chain is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
         pending = self._regions.pending(chain.source, chain.source_node)
-        root = pending.saved() if pending is not None else None
-        if pending is None or root is None or not isinstance(root.data, Packed) \
-                or root.data.codec != "quantize":
+        z_saved = pending.saved() if pending is not None else None
+        if pending is None or z_saved is None or pending.source.shape != t.shape:
             return None
-        z = pending.source
-        if z.shape != t.shape or z.dtype != t.dtype:
+        z = pending.source.detach()
+        root = root_of(z_saved)  # z's record itself, or the normalised record it is read from
+        n = self._regions.outputs.raw(root) if root is not z_saved else None
+        if not isinstance(root.data, Packed) or root.data.codec != "quantize" \
+                or (root is not z_saved and n is None):
             return None
-        fn = chain.function(z, t)
-        if fn is None:
+        fns = chain.functions(z, t)
+        if fns is None:
             return None
+        normalise, z_of, t_of = fns
         key = (chain.key, t.dtype, t.device.type)
         region = None
         try:
             if key not in self._regions.outputs.verified:
-                if not verified(fn, z.detach(), t):
+                if not (verified(lambda v: t_of(normalise(v)), z, t)
+                        and verified(lambda v: z_of(normalise(v)), z, z)):
                     return None  # not rebuilt from the node: keep t's own record
                 self._regions.outputs.verified.add(key)
             if part is not None:
                 region = self._region_code(t.detach(), part)
+            if root is z_saved:  # the first output read from z: z's record moves to normalised coordinates
+                n = normalise(z)
+                normalised = Saved(root.data, n, layer=z_saved.layer)
+                if not self._raise_root(normalised, n, int(bits), layer, rec, force=True):
+                    return None
+                z_saved.data, root = Derived(normalised, z_of), normalised
+            elif n is None or not self._raise_root(root, n, int(bits), layer, rec):
+                return None
         except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
             self._on_fallback(layer, exc)
             return None
-        if not self._raise_root(root, z, int(bits), layer, rec):
-            return None
-        self._regions.outputs.remember(root, z)
+        self._regions.outputs.remember(root, n)
         if region is not None:
             rec.packed_bytes += region.nbytes
         rec.bit_values += bits * t.numel()
         self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
-        return Saved(Derived(root, fn), t, () if region is None else (region,), layer=layer)
+        return Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
 
     def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
         """A value-dependent op's input at twice its bits when no record holds its output.

@@ -124,9 +124,12 @@ def test_batch_norm_output_keeps_no_payload_and_its_input_takes_the_bits(
     for name, saved in records:
         by_op.setdefault(name, saved)  # the first: c2's output is saved at the end too
     z, x, y = by_op["ConvolutionBackward0"], by_op["NativeBatchNormBackward0"], by_op["HardtanhBackward0"]
-    assert isinstance(x.data, Derived) and root_of(x) is z
-    assert isinstance(y.data, Derived) and y.data.source is x and root_of(y) is z
-    assert int(z.data.params["bits"]) == 4  # 2 + 2 + 2 bits, within the codec's widths
+    # z's record is read from its normalised coordinates, and so are x's and y's
+    root = root_of(z)
+    assert isinstance(z.data, Derived) and root is not z
+    assert isinstance(x.data, Derived) and root_of(x) is root
+    assert isinstance(y.data, Derived) and y.data.source is x and root_of(y) is root
+    assert int(root.data.params["bits"]) == 4  # 2 + 2 + 2 bits, within the codec's widths
     assert [r.partition.op for r in x.regions] == ["hardtanh"]
 
 
@@ -183,8 +186,8 @@ def test_output_of_an_op_reading_node_fields_while_packing_is_still_derived(
     after=st.sampled_from(["none", "clone", "relu", "relu_"]),
     seed=st.integers(0, 2**16),
 )
-def test_chain_function_rebuilds_the_output(shape: tuple[int, ...], training: bool, affine: bool, after: str,
-                                            seed: int) -> None:
+def test_chain_functions_rebuild_the_input_and_the_output(shape: tuple[int, ...], training: bool,
+                                                         affine: bool, after: str, seed: int) -> None:
     """Training and eval mode, with and without affine parameters, the batch norm's output itself, the
     clone an in-place activation saves, and ReLU (in place or not) after it."""
     g = torch.Generator().manual_seed(seed)
@@ -204,9 +207,69 @@ def test_chain_function_rebuilds_the_output(shape: tuple[int, ...], training: bo
     t = ops[after]()
     chain = normalized.chain_of(t)
     assert chain is not None
-    fn = chain.function(z.detach(), t)
-    assert fn is not None
-    assert normalized.verified(fn, z.detach(), t)
+    fns = chain.functions(z.detach(), t)
+    assert fns is not None
+    normalise, z_of, t_of = fns
+    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
+    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    if training:  # the normalised coordinates have each channel's batch mean 0 and variance 1
+        n = normalise(z.detach()).transpose(0, 1).reshape(3, -1)
+        torch.testing.assert_close(n.mean(1), torch.zeros(3), atol=1e-4, rtol=0)
+
+
+class _Deep(nn.Module):
+    """A late block of a small-input CNN: 2x2 positions, so a quantisation group spans 64 channels, whose
+    scales differ by 1000x before the batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn, self.act = nn.Conv2d(64, 64, 1), nn.BatchNorm2d(64), nn.Hardswish()
+        self.c2 = nn.Conv2d(64, 8, 1)
+        with torch.no_grad():
+            self.c1.weight.mul_(torch.logspace(-1.5, 1.5, 64).view(64, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.act(self.bn(self.c1(x))))
+
+
+def _deep_error(bits: int) -> float:
+    torch.manual_seed(0)
+    model = _Deep()
+    g = torch.Generator().manual_seed(0)
+    x, upstream = torch.randn(64, 64, 2, 2, generator=g), torch.randn(64, 8, 2, 2, generator=g)
+    grads = []
+    for b in (None, bits):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        ctl = None
+        if b is not None:
+            ctl = memctl.Controller(model, opt, bits=float(b), bit_choices=(b,), monitor_interval_s=0,
+                                    calibration_fraction=0.0)
+        opt.zero_grad()
+        (model(x) * upstream).sum().backward()
+        if ctl is not None:
+            ctl.detach()
+        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None]))
+    return float((grads[1] - grads[0]).norm() / grads[0].norm())
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_normalised_coordinates_keep_every_channel_at_its_own_scale(bits: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record of z itself (monkeypatched: mean 0 and invstd 1, the affine map folded into weight and
+    bias) quantises small channels on the scale of the group's largest; the normalised one does not."""
+    normalised = _deep_error(bits)
+    statistics = normalized._statistics
+
+    def raw_coordinates(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> Any:
+        got = statistics(node, z, x)
+        if got is None:
+            return None
+        mean, invstd, gamma, beta = got
+        a = gamma * invstd
+        return torch.zeros_like(mean), torch.ones_like(invstd), a, beta - mean * a
+
+    monkeypatch.setattr(normalized, "_statistics", raw_coordinates)
+    assert normalised < 0.5 * _deep_error(bits)
 
 
 def test_chain_ends_only_at_batch_norm_outputs() -> None:
