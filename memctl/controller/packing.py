@@ -88,7 +88,7 @@ from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
-from memctl.controller.normalized import chain_of, verified
+from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
@@ -287,7 +287,7 @@ class Packer:
                         if part is not None:
                             self._attach_region(saved, part, pending.source, pending.layer)
                         root = root_of(saved).data  # NOTE [ Batch-norm outputs recomputed from the input ]
-                        if isinstance(root, Packed) and root.codec == "quantize":
+                        if is_wide(root) or (isinstance(root, Packed) and root.codec == "quantize"):
                             offers = self._regions.outputs
                             for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                                 self._raise_unread(*unread)
@@ -430,7 +430,7 @@ class Packer:
         root = root_of(source_saved)
         old = root.data
         root_source = source if root is source_saved else self._regions.outputs.raw(root)
-        if not isinstance(old, Packed) or old.codec != "quantize" or root_source is None:
+        if not (is_wide(old) or (isinstance(old, Packed) and old.codec == "quantize")) or root_source is None:
             return None
         try:
             if key not in self._regions.outputs.verified:
@@ -440,21 +440,31 @@ class Packer:
         except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
             self._on_fallback(layer, exc)
             return None
-        if not self._raise_root(root, root_source, int(bits), layer, rec):
+        if not self._raise_root(root, root_source, int(bits), layer, rec, hidden=root is not source_saved):
             return None
         rec.bit_values += bits * t.numel()
         self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
         return Saved(Derived(source_saved, fn), t, layer=layer)
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
-                    force: bool = False) -> bool:
+                    force: bool = False, hidden: bool = False) -> bool:
         """``root``'s payload again at ``bits`` more (within the codec's widths), encoded from ``source``
-        (also when the width does not grow, if ``force``); its growth counted in ``rec``, the layer of
-        the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
+        (also when the width does not grow, if ``force``; in half precision from 16 bits on, if
+        ``hidden``: a record autograd never unpacks itself); its growth counted in ``rec``, the layer
+        of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
         old = root.data
+        if is_wide(old):
+            return True  # half precision already holds more than any sum of widths
         if not isinstance(old, Packed):
             return False
-        raised = width_within(int(old.params["bits"]) + bits)
+        total = int(old.params["bits"]) + bits
+        if hidden and total >= WIDE_BITS and source.dtype == torch.float32:  # NOTE [ Batch-norm outputs ... ]
+            wide = widen(source)
+            if wide is not None:
+                root.data = wide
+                rec.packed_bytes += wide.element_size() * wide.numel() - old.nbytes
+                return True
+        raised = width_within(total)
         if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
             self._counter += 1
@@ -482,8 +492,9 @@ class Packer:
         z = pending.source.detach()
         root = root_of(z_saved)  # z's record itself, or the normalised record it is read from
         n = self._regions.outputs.raw(root) if root is not z_saved else None
-        if not isinstance(root.data, Packed) or root.data.codec != "quantize" \
-                or (root is not z_saved and n is None):
+        quantised = isinstance(root.data, Packed) and root.data.codec == "quantize"
+        derived_root = root is not z_saved
+        if not (quantised or (derived_root and is_wide(root.data))) or (derived_root and n is None):
             return None
         fns = chain.functions(z, t)
         if fns is None:
@@ -502,10 +513,10 @@ class Packer:
             if root is z_saved:  # the first output read from z: z's record moves to normalised coordinates
                 n = normalise(z)
                 normalised = Saved(root.data, n, layer=z_saved.layer)
-                if not self._raise_root(normalised, n, int(bits), layer, rec, force=True):
+                if not self._raise_root(normalised, n, int(bits), layer, rec, force=True, hidden=True):
                     return None
                 z_saved.data, root = Derived(normalised, z_of), normalised
-            elif n is None or not self._raise_root(root, n, int(bits), layer, rec):
+            elif n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
                 return None
         except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
             self._on_fallback(layer, exc)

@@ -284,3 +284,14 @@ def test_chain_ends_only_at_batch_norm_outputs() -> None:
 def test_width_within() -> None:
     assert [width_within(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)] == [1, 2, 2, 4, 4, 4, 4, 8, 8, 8]
     assert derived.DERIVED_MAX_BITS == 8
+
+
+def test_sixteen_bits_of_a_chain_are_kept_in_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 8 bits, z's and x's records together hold 16 bits per value: the normalised record is kept
+    in half precision (never more bytes than the 8-bit records), and the gradient error falls."""
+    records = _records(monkeypatch)
+    wide = _deep_error(8)
+    root = root_of(next(saved for name, saved in records if name == "ConvolutionBackward0"))
+    assert isinstance(root.data, torch.Tensor) and root.data.dtype == torch.float16
+    monkeypatch.setattr(packing, "WIDE_BITS", 10**6)
+    assert wide < 0.2 * _deep_error(8)
