@@ -1,7 +1,7 @@
 """Whole-model weight-gradient cosine against plain PyTorch, per piecewise activation.
 
 Run ``python benchmarks/activations.py [--acts relu,hardswish,...] [--seeds 5] [--bits 8,4,2]
-[--mode derived|no-chain|no-input|separate|exact-act]``.
+[--mode derived|no-chain|inputs|separate|exact-act]``.
 
 The net is two conv -> BatchNorm -> activation blocks, a global mean and a linear head
 (16 images 3x16x16, 10 classes), the layout of ``tests/controller/test_regions.py``. For
@@ -14,9 +14,9 @@ ratio memctl reports. Modes:
                NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py,
                NOTE [ Model inputs ] in inputs.py)
     no-chain   as shipped, but batch-norm outputs keep their own records
-    no-input   as shipped, but the model's input (the image) is compressed like any tensor
-    separate   the batch norm's input, the activation's input and its output as separate records,
-               the image compressed (the path before all three)
+    inputs     as shipped, with keep_inputs=True: the image kept by reference (NOTE [ Model inputs ])
+    separate   the batch norm's input, the activation's input and its output as separate records
+               (the path before both)
     exact-act  the activation's input and output kept exact, everything else at b bits
                (batch-norm outputs keep their own records): what is left of the error is the
                other layers' tensors'
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memctl
-from memctl.controller import derived, inputs, packing
+from memctl.controller import derived, packing
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "relu6": nn.ReLU6, "leaky_relu": lambda: nn.LeakyReLU(0.1), "hardtanh": nn.Hardtanh,
@@ -49,6 +49,10 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "prelu": nn.PReLU, "elu": nn.ELU, "selu": nn.SELU, "celu": nn.CELU,
     "hardshrink": lambda: nn.Hardshrink(0.3), "softshrink": lambda: nn.Softshrink(0.3),
 }
+
+
+OPTIONS: dict[str, Any] = {}
+"""Extra Controller options of the mode (``--mode inputs``)."""
 
 
 class ConvNet(nn.Module):
@@ -72,7 +76,8 @@ def weight_grad(name: str, bits: int | None, seed: int) -> tuple[torch.Tensor, f
     x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                **OPTIONS)
     F.cross_entropy(model(x), y).backward()
     ratio = float("nan")
     if ctl is not None:
@@ -118,7 +123,8 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                **OPTIONS)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -136,9 +142,8 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
 def _set_mode(mode: str) -> None:
     if mode == "derived":
         return
-    if mode in ("no-input", "separate"):
-        inputs.ModelInputs.holds = lambda self, t, ptr: False  # type: ignore[method-assign]
-    if mode == "no-input":
+    if mode == "inputs":
+        OPTIONS["keep_inputs"] = True
         return
     packing.chain_of = lambda t: None  # type: ignore[assignment]
     if mode == "no-chain":
@@ -185,7 +190,7 @@ def main() -> None:
     parser.add_argument("--acts", default=",".join(ACTIVATIONS))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--bits", default="8,4,2")
-    parser.add_argument("--mode", choices=("derived", "no-chain", "no-input", "separate", "exact-act"),
+    parser.add_argument("--mode", choices=("derived", "no-chain", "inputs", "separate", "exact-act"),
                         default="derived")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also train a MobileNet-style net this many steps, plain and at 2 bits")

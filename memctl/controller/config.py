@@ -45,6 +45,8 @@ class ControllerConfig:
             (the loss); off by default, see NOTE [ What is compressed ].
         log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
             (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
+        keep_inputs: save the model's own input tensors by reference instead of compressing
+            them (NOTE [ Model inputs ]); off by default.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -87,6 +89,7 @@ class ControllerConfig:
     min_numel: int = 4096
     compress_outside: bool = False
     log_prob_bits: int | None = 8
+    keep_inputs: bool = False
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10

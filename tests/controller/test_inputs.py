@@ -39,7 +39,7 @@ def _first_weight_grad(x: torch.Tensor, bits: int | None) -> torch.Tensor:
     ctl = None
     if bits is not None:
         ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
-                                calibration_fraction=0.0)
+                                calibration_fraction=0.0, keep_inputs=True)
     upstream = torch.randn(8, 4, 32, 32, generator=torch.Generator().manual_seed(1))
     (model(x) * upstream).sum().backward()
     if ctl is not None:
@@ -94,7 +94,7 @@ def test_a_tensor_computed_in_the_forward_is_compressed(monkeypatch: pytest.Monk
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     records = _records(monkeypatch)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0)
+                            calibration_fraction=0.0, keep_inputs=True)
     model(_image()).sum().backward()
     ctl.detach()
     kept = [r.tensor for r in records if isinstance(r, SavedRef)]
@@ -105,10 +105,22 @@ def test_input_modified_in_place_before_backward_raises_like_plain_pytorch() -> 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0)
+                            calibration_fraction=0.0, keep_inputs=True)
     x = _image()
     out = model(x)
     x.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         F.mse_loss(out, torch.zeros_like(out)).backward()
     ctl.detach()
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    records = _records(monkeypatch)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    x = _image()
+    model(x).sum().backward()
+    ctl.detach()
+    assert not any(isinstance(r, SavedRef) and r.tensor is x for r in records)

@@ -243,7 +243,7 @@ def _deep_error(bits: int) -> float:
         ctl = None
         if b is not None:
             ctl = memctl.Controller(model, opt, bits=float(b), bit_choices=(b,), monitor_interval_s=0,
-                                    calibration_fraction=0.0)
+                                    calibration_fraction=0.0, keep_inputs=True)  # the input exact
         opt.zero_grad()
         (model(x) * upstream).sum().backward()
         if ctl is not None:
