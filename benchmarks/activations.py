@@ -1,7 +1,7 @@
 """Whole-model weight-gradient cosine against plain PyTorch, per piecewise activation.
 
 Run ``python benchmarks/activations.py [--acts relu,hardswish,...] [--seeds 5] [--bits 8,4,2]
-[--mode derived|separate|exact-act]``.
+[--mode derived|no-chain|inputs|separate|exact-act]``.
 
 The net is two conv -> BatchNorm -> activation blocks, a global mean and a linear head
 (16 images 3x16x16, 10 classes), the layout of ``tests/controller/test_regions.py``. For
@@ -10,10 +10,16 @@ each activation, bit width and seed it computes the weight gradient of one batch
 plain, and prints the mean and the lowest cosine over the seeds, and the activation
 ratio memctl reports. Modes:
 
-    derived    as shipped (NOTE [ Outputs recomputed from the input ] in memctl/controller/derived.py)
-    separate   the activation's input and output as separate records (the path before it)
-    exact-act  the activation's input and output kept exact, everything else at b bits:
-               the ceiling any treatment of the activation's own tensors can reach
+    derived    as shipped (NOTE [ Outputs recomputed from the input ] in memctl/controller/derived.py,
+               NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py,
+               NOTE [ Model inputs ] in inputs.py)
+    no-chain   as shipped, but batch-norm outputs keep their own records
+    inputs     as shipped, with keep_inputs=True: the image kept by reference (NOTE [ Model inputs ])
+    separate   the batch norm's input, the activation's input and its output as separate records
+               (the path before both)
+    exact-act  the activation's input and output kept exact, everything else at b bits
+               (batch-norm outputs keep their own records): what is left of the error is the
+               other layers' tensors'
 
 With ``--train-steps N`` it also trains a MobileNet-style net (ReLU6 stem, two inverted
 residual blocks with hardswish) N AdamW steps plain and at 2 bits, and prints the share
@@ -45,6 +51,10 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+OPTIONS: dict[str, Any] = {}
+"""Extra Controller options of the mode (``--mode inputs``)."""
+
+
 class ConvNet(nn.Module):
     def __init__(self, act: Callable[[], nn.Module]) -> None:
         super().__init__()
@@ -66,7 +76,8 @@ def weight_grad(name: str, bits: int | None, seed: int) -> tuple[torch.Tensor, f
     x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                **OPTIONS)
     F.cross_entropy(model(x), y).backward()
     ratio = float("nan")
     if ctl is not None:
@@ -112,7 +123,8 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                **OPTIONS)
     losses = []
     for _ in range(steps):
         loss = F.cross_entropy(model(x), y)
@@ -129,6 +141,12 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
 
 def _set_mode(mode: str) -> None:
     if mode == "derived":
+        return
+    if mode == "inputs":
+        OPTIONS["keep_inputs"] = True
+        return
+    packing.chain_of = lambda t: None  # type: ignore[assignment]
+    if mode == "no-chain":
         return
     derived.DerivableOutputs.take = lambda self, t: None  # type: ignore[method-assign]
     derived.DerivableOutputs.leftover = lambda self: []  # type: ignore[method-assign]
@@ -172,7 +190,8 @@ def main() -> None:
     parser.add_argument("--acts", default=",".join(ACTIVATIONS))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--bits", default="8,4,2")
-    parser.add_argument("--mode", choices=("derived", "separate", "exact-act"), default="derived")
+    parser.add_argument("--mode", choices=("derived", "no-chain", "inputs", "separate", "exact-act"),
+                        default="derived")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also train a MobileNet-style net this many steps, plain and at 2 bits")
     args = parser.parse_args()

@@ -53,6 +53,8 @@ class ControllerConfig:
         norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
             ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
             ``None``: no floor.
+        keep_inputs: save the model's own input tensors by reference instead of compressing
+            them (NOTE [ Model inputs ]); off by default.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -97,6 +99,7 @@ class ControllerConfig:
     log_prob_bits: int | None = 8
     attention_bits: int | None = 8
     norm_bits: int | None = 4
+    keep_inputs: bool = False
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10

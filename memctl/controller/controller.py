@@ -289,6 +289,8 @@ class Controller:
             if first is not None and first.dim() > self.config.batch_dim:
                 samples = int(first.shape[self.config.batch_dim])
             self._packer.begin_forward(samples)  # NOTE [ Micro-batches ]
+            if self.config.keep_inputs:
+                self._packer.inputs.set((*args, *kwargs.values()))  # NOTE [ Model inputs ]
         self._tracker.model_depth += 1
 
     def _capturing(self) -> bool:

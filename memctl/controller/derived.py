@@ -14,7 +14,9 @@ whose derivative is exact and whose output is half exact zeros.
 ``y`` holds no information that ``x`` lacks, so memctl spends the bits on one record
 instead of two: when ``y`` is packed and it is the direct output (``y.grad_fn`` is the
 op's node) of a table op whose input record is a quantised payload, ``x`` is encoded
-again at ``min(8, b_x + b_y)`` bits and ``y``'s record keeps no payload; unpacking it
+again at ``b_x + b_y`` bits (at most 8, rounded down to a width of the codec: 1, 2, 4 or
+8; 1 + 2 bits give 2, and the bit left over is saved, never spent beyond what the
+layers were given) and ``y``'s record keeps no payload; unpacking it
 decodes ``x̂`` (projected into its regions) and applies ``f`` with the node's own
 parameters. The bytes are those of the two records before (``b_x + b_y`` bits per
 value), the error of both reads is that of one record at twice the bits (the step
@@ -22,6 +24,14 @@ shrinks about 5x from 2 to 4 bits), and ``f`` is Lipschitz on the regions, so ``
 error is at most ``x̂``'s times ``f'`` (ELU's negative branch shrinks it by ``exp(x)``).
 The extra bytes of ``x``'s record are counted in ``y``'s layer, which still prices
 ``b_y`` bits per value of ``y``: the allocation's per-layer accounting is unchanged.
+
+Smooth ops that save their input (SiLU, GELU, Mish: ``regions.SMOOTH``) have no branch
+to keep but the same pair of records (EfficientNet's in-place SiLU before a depthwise
+convolution, a transformer's GELU between two linear layers); they are matched like the
+table's ops, with no region code, and their output is recomputed the same way. When
+``x``'s record is itself recomputed from a batch norm's input (NOTE [ Batch-norm outputs
+recomputed from the input ] in normalized.py), ``y``'s bits go to that record, the start
+of the chain.
 
 Alternatives tried on the conv net of ``benchmarks/activations.py`` (2 bits, 5 seeds;
 one-off experiments, not kept as benchmark modes):
@@ -46,9 +56,10 @@ brings the hardswish net's cosine from 0.975 to 0.988.
 Not derived (today's path): ``y`` saved at kept-exact bits or by the error-bound codec
 (``f`` can stretch an absolute bound by its slope, 1.5 for hardswish), ``x`` kept as a
 copy, ``x`` modified in place since it was packed, ops whose forward cannot be rebuilt
-from the node (``threshold`` does not save its replacement value) or whose rebuilt ``f``
+from the node or whose rebuilt ``f``
 does not reproduce ``y`` bit for bit (checked the first time an op is seen per dtype and
-device type, so that the check's device-to-host read is paid once), and outputs that
+device type, so that the check's device-to-host read is paid once; ``threshold``'s node
+does not save its replacement value, which is read off ``y`` where the op replaced ``x``), and outputs that
 are not the op's own result (a view or a later op's). Calibration replays one layer at a
 time and does not raise the unread inputs, so its measured variance is that of the
 separate records at the layers' own bits (an overestimate for the records derived or
@@ -65,12 +76,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DERIVED_MAX_BITS", "DerivableOutputs", "Derived", "output_function"]
+__all__ = ["DERIVED_MAX_BITS", "DerivableOutputs", "Derived", "output_function", "root_of", "width_within"]
 
 DERIVED_MAX_BITS = 8
 """The most bits the input record is raised to (NOTE [ Outputs recomputed from the input ])."""
 
 Function = Callable[[torch.Tensor], torch.Tensor]
+
+_WIDTHS = (1, 2, 4, 8)
+"""The quantize codec's widths."""
+
+
+def width_within(bits: int) -> int:
+    """The widest quantize width of at most ``bits`` (and :data:`DERIVED_MAX_BITS`) bits."""
+    return max(w for w in _WIDTHS if w <= max(1, min(DERIVED_MAX_BITS, bits)))
 
 
 def _f(node: Any, name: str) -> float:
@@ -128,6 +147,11 @@ def _rrelu(node: Any) -> Function | None:
     return lambda x: F.leaky_relu(x, slope)
 
 
+def _gelu(node: Any) -> Function:
+    approximate = str(node._saved_approximate)
+    return lambda x: F.gelu(x, approximate=approximate)
+
+
 def _shrink(op: Callable[[torch.Tensor, float], torch.Tensor]) -> Callable[[Any], Function]:
     def rule(node: Any) -> Function:
         lam = _f(node, "_saved_lambd")
@@ -135,6 +159,20 @@ def _shrink(op: Callable[[torch.Tensor, float], torch.Tensor]) -> Callable[[Any]
 
     return rule
 
+
+def _threshold(node: Any, x: torch.Tensor, y: torch.Tensor) -> Function:
+    """threshold's node keeps the threshold, not the replacement value: that is read off the output,
+    at the first value the op replaced (any value will do when none was)."""
+    th = _f(node, "_saved_threshold")
+    replaced = (x <= th).flatten().nonzero()
+    value = float(y.flatten()[replaced[0, 0]]) if replaced.numel() else 0.0
+    return lambda v: F.threshold(v, th, value)
+
+
+# grad_fn name -> the op's forward, rebuilt from the node's saved parameters and the op's input and output.
+_FROM_DATA: dict[str, Callable[[Any, torch.Tensor, torch.Tensor], Function]] = {
+    "ThresholdBackward0": _threshold,
+}
 
 # grad_fn name -> the op's forward, rebuilt from the node's saved parameters.
 _FORWARD: dict[str, Callable[[Any], Function | None]] = {
@@ -150,6 +188,9 @@ _FORWARD: dict[str, Callable[[Any], Function | None]] = {
     "ClampMaxBackward0": _clamp_max,
     "PreluKernelBackward0": _prelu,
     "AbsBackward0": lambda node: torch.abs,
+    "SiluBackward0": lambda node: F.silu,
+    "GeluBackward0": _gelu,
+    "MishBackward0": lambda node: F.mish,
     "HardshrinkBackward0": _shrink(F.hardshrink),
     "SoftshrinkBackward0": _shrink(F.softshrink),
 }
@@ -164,6 +205,13 @@ def output_function(node: Any) -> Function | None:
         return rule(node)
     except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
         return None
+
+
+def root_of(saved: Any) -> Any:
+    """The record at the start of a chain of derived records (``saved`` itself if not derived)."""
+    while isinstance(saved.data, Derived):
+        saved = saved.data.source
+    return saved
 
 
 @dataclass(frozen=True, eq=False)
@@ -194,7 +242,8 @@ class _Offer:
     saved: weakref.ref[Any]
     source: torch.Tensor
     version: int
-    fn: Function
+    fn: Function | None
+    """None: read off the output when it is saved (:data:`_FROM_DATA`)."""
 
 
 class DerivableOutputs:
@@ -206,11 +255,29 @@ class DerivableOutputs:
 
     def __init__(self) -> None:
         self._offers: dict[int, _Offer] = {}
+        self._raw: dict[int, tuple[weakref.ref[Any], torch.Tensor, int]] = {}
         self.verified: set[_Key] = set()
         """Ops (and dtype, device type) whose rebuilt ``f`` reproduced ``y`` once: checked no more."""
 
     def clear(self) -> None:
         self._offers.clear()
+        self._raw.clear()
+
+    def remember(self, saved: Any, source: torch.Tensor) -> None:
+        """``saved`` (a quantised record) encodes ``source``: kept so that a chain derived from it
+        can raise it again (NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py).
+        At most :data:`_OFFERS` raw tensors are held, as for the offers."""
+        self._raw.pop(id(saved), None)
+        self._raw[id(saved)] = (weakref.ref(saved), source, source._version)
+        while len(self._raw) > _OFFERS:
+            del self._raw[next(iter(self._raw))]
+
+    def raw(self, saved: Any) -> torch.Tensor | None:
+        """The tensor :meth:`remember` kept for ``saved``, unmodified since, else None."""
+        entry = self._raw.get(id(saved))
+        if entry is None or entry[0]() is not saved or entry[1]._version != entry[2]:
+            return None
+        return entry[1]
 
     def offer(self, node: Any, saved: Any, source: torch.Tensor, version: int) -> list[_Unread]:
         """The op ``node`` saved ``source`` (now recorded as ``saved``).
@@ -219,7 +286,7 @@ class DerivableOutputs:
         (at most :data:`_OFFERS` inputs are held, as for the pending inputs).
         """
         fn = output_function(node)
-        if fn is None:
+        if fn is None and type(node).__name__ not in _FROM_DATA:
             return []
         self._offers.pop(id(node), None)
         self._offers[id(node)] = _Offer(node, weakref.ref(saved), source, version, fn)
@@ -244,7 +311,13 @@ class DerivableOutputs:
             return None
         saved = offer.saved()
         key = (type(node).__name__, t.dtype, t.device.type)
-        return None if saved is None else (saved, offer.source, offer.fn, key)
+        fn = offer.fn
+        if fn is None:
+            try:
+                fn = _FROM_DATA[key[0]](node, offer.source.detach(), t.detach())
+            except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
+                fn = None
+        return None if saved is None or fn is None else (saved, offer.source, fn, key)
 
 
 _OFFERS = 2
@@ -260,4 +333,5 @@ def _unread(offers: list[_Offer]) -> list[_Unread]:
     return out
 
 # Ops whose derivative depends on the value inside a region (not only on the branch).
-_VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0"})
+_VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0", "SiluBackward0",
+                              "GeluBackward0", "MishBackward0"})

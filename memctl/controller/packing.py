@@ -99,12 +99,14 @@ import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.derived import DERIVED_MAX_BITS, Derived
+from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
 from memctl.controller.floors import ATTENTION, NORM, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
+from memctl.controller.inputs import ModelInputs
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
+from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.stats import LayerStep
@@ -187,6 +189,8 @@ class Packer:
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
         self._regions = RegionTracker()
         self._floors = FloorTracker({ATTENTION: config.attention_bits, NORM: config.norm_bits})
+        self.inputs = ModelInputs()
+        """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self._counter = 0
         self._seed_base = 0
         self.packs = 0
@@ -276,7 +280,7 @@ class Packer:
         if t.grad_fn is not None:
             self._match(t)
         ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
-        if ptr in self._param_ptrs:
+        if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
@@ -319,6 +323,7 @@ class Packer:
             self._raise_unread(saved, source)
         self._regions.clear()
         self._floors.clear()
+        self.inputs.clear()
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
@@ -335,16 +340,19 @@ class Packer:
         for pending, part in self._regions.matches(t):
             saved = pending.saved()
             if saved is not None:
-                self._attach_region(saved, part, pending.source, pending.layer)
-                if isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+                if part is not None:
+                    self._attach_region(saved, part, pending.source, pending.layer)
+                root = root_of(saved).data  # NOTE [ Batch-norm outputs recomputed from the input ]
+                if is_wide(root) or (isinstance(root, Packed) and root.codec == "quantize"):
                     offers = self._regions.outputs
                     for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                         self._raise_unread(*unread)
 
     def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
-        self._regions.clear()  # the forward is over: no pending input can still be matched
-        self._floors.clear()
+        if _current_node() is not None:  # not a node field read while packing
+            self._regions.clear()  # the forward is over: no pending input can still be matched
+            self._floors.clear()
         if isinstance(saved, torch.Tensor):
             return saved
         if isinstance(saved, Alias):
@@ -439,6 +447,8 @@ class Packer:
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t, layer=layer)
         derived = self._derive(t, bits, layer, rec) if part is None else None
+        if derived is None and (part is None or part == RELU):
+            derived = self._derive_normalized(t, bits, layer, rec, part)
         if derived is not None:
             return derived
         self._counter += 1
@@ -548,28 +558,108 @@ class Packer:
         if offer is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
         source_saved, source, fn, key = offer
-        old = source_saved.data
-        if not isinstance(old, Packed) or old.codec != "quantize":
+        # NOTE [ Batch-norm outputs recomputed from the input ]: the input record may itself be
+        # derived; the bits go to the record at the chain's start, re-encoded from its own tensor
+        root = root_of(source_saved)
+        old = root.data
+        root_source = source if root is source_saved else self._regions.outputs.raw(root)
+        if not (is_wide(old) or (isinstance(old, Packed) and old.codec == "quantize")) or root_source is None:
             return None
-        raised = min(DERIVED_MAX_BITS, int(old.params["bits"]) + int(bits))
-        start = time.perf_counter()
         try:
             if key not in self._regions.outputs.verified:
                 if not torch.equal(fn(source.detach()), t.detach()):
                     return None  # f not rebuilt exactly from the node: keep y's own record
                 self._regions.outputs.verified.add(key)
-            self._counter += 1
-            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
-            p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
             self._on_fallback(layer, exc)
             return None
-        self.timings.observe_encode(time.perf_counter() - start)
-        source_saved.data = p
+        if not self._raise_root(root, root_source, int(bits), layer, rec, hidden=root is not source_saved):
+            return None
         rec.bit_values += bits * t.numel()
-        rec.packed_bytes += p.nbytes - old.nbytes  # the bytes y's own record would have held
         self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
         return Saved(Derived(source_saved, fn), t, layer=layer)
+
+    def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
+                    force: bool = False, hidden: bool = False) -> bool:
+        """``root``'s payload again at ``bits`` more (within the codec's widths), encoded from ``source``
+        (also when the width does not grow, if ``force``; in half precision from 16 bits on, if
+        ``hidden``: a record autograd never unpacks itself); its growth counted in ``rec``, the layer
+        of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
+        old = root.data
+        if is_wide(old):
+            return True  # half precision already holds more than any sum of widths
+        if not isinstance(old, Packed):
+            return False
+        total = int(old.params["bits"]) + bits
+        if hidden and total >= WIDE_BITS and source.dtype == torch.float32:  # NOTE [ Batch-norm outputs ... ]
+            wide = widen(source)
+            if wide is not None:
+                root.data = wide
+                rec.packed_bytes += wide.element_size() * wide.numel() - old.nbytes
+                return True
+        raised = width_within(total)
+        if raised > int(old.params["bits"]) or force:
+            start = time.perf_counter()
+            self._counter += 1
+            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+            try:
+                p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
+            except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
+                self._on_fallback(layer, exc)
+                return False
+            self.timings.observe_encode(time.perf_counter() - start)
+            root.data = p
+            rec.packed_bytes += p.nbytes - old.nbytes  # the bytes the derived record would have held
+        return True
+
+    def _derive_normalized(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep,
+                           part: Partition | None) -> Saved | None:
+        """``t`` recomputed from its batch norm's input record (NOTE [ Batch-norm outputs ... ])."""
+        chain = chain_of(t)
+        if chain is None or self._config.codec is CodecMode.ERRORBOUND:
+            return None
+        pending = self._regions.pending(chain.source, chain.source_node)
+        z_saved = pending.saved() if pending is not None else None
+        if pending is None or z_saved is None or pending.source.shape != t.shape:
+            return None
+        z = pending.source.detach()
+        root = root_of(z_saved)  # z's record itself, or the normalised record it is read from
+        n = self._regions.outputs.raw(root) if root is not z_saved else None
+        quantised = isinstance(root.data, Packed) and root.data.codec == "quantize"
+        derived_root = root is not z_saved
+        if not (quantised or (derived_root and is_wide(root.data))) or (derived_root and n is None):
+            return None
+        fns = chain.functions(z, t)
+        if fns is None:
+            return None
+        normalise, z_of, t_of = fns
+        key = (chain.key, t.dtype, t.device.type)
+        region = None
+        try:
+            if key not in self._regions.outputs.verified:
+                if not (verified(lambda v: t_of(normalise(v)), z, t)
+                        and verified(lambda v: z_of(normalise(v)), z, z)):
+                    return None  # not rebuilt from the node: keep t's own record
+                self._regions.outputs.verified.add(key)
+            if part is not None:
+                region = self._region_code(t.detach(), part)
+            if root is z_saved:  # the first output read from z: z's record moves to normalised coordinates
+                n = normalise(z)
+                normalised = Saved(root.data, n, layer=z_saved.layer)
+                if not self._raise_root(normalised, n, int(bits), layer, rec, force=True, hidden=True):
+                    return None
+                z_saved.data, root = Derived(normalised, z_of), normalised
+            elif n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
+                return None
+        except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
+            self._on_fallback(layer, exc)
+            return None
+        self._regions.outputs.remember(root, n)
+        if region is not None:
+            rec.packed_bytes += region.nbytes
+        rec.bit_values += bits * t.numel()
+        self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
+        return Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
 
     def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
         """A value-dependent op's input at twice its bits when no record holds its output.

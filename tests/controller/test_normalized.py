@@ -1,0 +1,297 @@
+"""Batch-norm outputs recomputed from the batch norm's input record (memctl/controller/normalized.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import memctl
+from memctl.controller import derived, normalized, packing
+from memctl.controller.derived import Derived, root_of, width_within
+
+
+class _Block(nn.Module):
+    """conv -> BatchNorm -> activation -> conv."""
+
+    def __init__(self, act: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.c1, self.bn, self.act = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), act()
+        self.c2 = nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.act(self.bn(self.c1(x))))
+
+
+def _records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every record the pack hook makes, with the saved tensor's grad_fn name."""
+    out: list[tuple[str, Any]] = []
+    pack_new = packing.Packer._pack_new
+
+    def spy(self: packing.Packer, t: torch.Tensor, layer: str) -> Any:
+        saved = pack_new(self, t, layer)
+        out.append((type(t.grad_fn).__name__ if t.grad_fn is not None else "", saved))
+        return saved
+
+    monkeypatch.setattr(packing.Packer, "_pack_new", spy)
+    return out
+
+
+def _run(model: nn.Module, bits: int | None, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """The gradient at the batch norm's input and the weight gradient of the batch norm and the layer
+    after it: what reads the chain's records (not the first convolution's weight gradient, which
+    reads the 2-bit image), of one batch (plain PyTorch when ``bits`` is None); and the packed bytes."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                calibration_fraction=0.0)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 3, 16, 16, generator=g)
+    upstream = torch.randn(8, 8, 16, 16, generator=g)  # saved outside the model: kept exact
+    grads: list[torch.Tensor] = []
+
+    def watch(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: grads.append(grad.detach().flatten().clone()))
+
+    handle = model.c1.register_forward_hook(watch)
+    opt.zero_grad()
+    (model(x) * upstream).sum().backward()
+    handle.remove()
+    packed = float("nan")
+    if ctl is not None:
+        opt.step()
+        packed = float(ctl.stats()["packed_bytes"])
+        ctl.detach()
+    params = [p for name, p in model.named_parameters() if not name.startswith("c1.")]
+    return torch.cat([*grads, *(p.grad.flatten().clone() for p in params if p.grad is not None)]), packed
+
+
+def _model(act: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    model = _Block(act)
+    with torch.no_grad():  # a batch norm that is not the identity at init
+        model.bn.weight.uniform_(0.5, 2.0)
+        model.bn.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _error(model: nn.Module, bits: int) -> tuple[float, float]:
+    ref, _ = _run(model, None)
+    got, packed = _run(model, bits)
+    return float((got - ref).norm() / ref.norm()), packed
+
+
+def _no_chains(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "chain_of", lambda t: None)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, lambda: nn.ReLU(inplace=True)])
+def test_relu_after_batch_norm_is_read_finer_at_no_more_bytes(act: Callable[[], nn.Module],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Batch-norm outputs recomputed from the input ]: ReLU's result read at 4 bits instead of 2."""
+    joint, joint_bytes = _error(_model(act), 2)
+    _no_chains(monkeypatch)
+    separate, separate_bytes = _error(_model(act), 2)
+    assert joint_bytes <= separate_bytes, (joint_bytes, separate_bytes)
+    assert joint < 0.5 * separate, (joint, separate)
+
+
+@pytest.mark.parametrize("act", [nn.Hardtanh, nn.Hardswish, lambda: nn.SiLU(inplace=True), nn.SELU,
+                                 lambda: nn.Softshrink(0.3), nn.GELU])
+def test_input_saving_activation_after_batch_norm_takes_fewer_bytes(act: Callable[[], nn.Module],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three 2-bit records (z, x and y) become one 4-bit record: fewer bytes, the same reads (x and y
+    were already read at 4 bits: NOTE [ Outputs recomputed from the input ])."""
+    joint, joint_bytes = _error(_model(act), 2)
+    _no_chains(monkeypatch)
+    separate, separate_bytes = _error(_model(act), 2)
+    assert joint_bytes < 0.93 * separate_bytes, (joint_bytes, separate_bytes)
+    assert joint < 1.05 * separate, (joint, separate)
+
+
+def test_batch_norm_output_keeps_no_payload_and_its_input_takes_the_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records(monkeypatch)
+    _run(_model(nn.Hardtanh), 2)
+    by_op: dict[str, Any] = {}
+    for name, saved in records:
+        by_op.setdefault(name, saved)  # the first: c2's output is saved at the end too
+    z, x, y = by_op["ConvolutionBackward0"], by_op["NativeBatchNormBackward0"], by_op["HardtanhBackward0"]
+    # z's record is read from its normalised coordinates, and so are x's and y's
+    root = root_of(z)
+    assert isinstance(z.data, Derived) and root is not z
+    assert isinstance(x.data, Derived) and root_of(x) is root
+    assert isinstance(y.data, Derived) and y.data.source is x and root_of(y) is root
+    assert int(root.data.params["bits"]) == 4  # 2 + 2 + 2 bits, within the codec's widths
+    assert [r.partition.op for r in x.regions] == ["hardtanh"]
+
+
+def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records(monkeypatch)
+    model = _model(lambda: nn.ReLU(inplace=True))
+    captured: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: captured.append(out.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    model(torch.randn(8, 3, 16, 16)).square().mean().backward()
+    y = next(saved for name, saved in records if name == "ReluBackward0")
+    assert isinstance(y.data, Derived)
+    decoded = ctl._packer.unpack(y)
+    ctl.detach()
+    assert torch.equal(decoded == 0, captured[0] == 0)
+    assert bool((decoded[captured[0] > 0] > 0).all())
+
+
+def test_frozen_bias_under_relu_is_not_derived(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records(monkeypatch)
+    model = _model(nn.ReLU)
+    model.bn.bias.requires_grad_(False)
+    _run(model, 2)
+    y = next(saved for name, saved in records if name == "ReluBackward0")
+    assert not isinstance(y.data, Derived)
+
+
+def test_a_chain_function_that_misses_the_output_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(normalized, "_bias", lambda node: torch.zeros(16) + 0.25)
+    wrong_grad, wrong_bytes = _run(_model(nn.ReLU), 2)
+    _no_chains(monkeypatch)
+    separate_grad, separate_bytes = _run(_model(nn.ReLU), 2)
+    assert wrong_bytes == separate_bytes
+    assert torch.equal(wrong_grad, separate_grad)
+
+
+def test_output_of_an_op_reading_node_fields_while_packing_is_still_derived(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PReLU's output function reads the node's saved weight (an unpack) inside the pack hook: that
+    read must not end the forward's matching (NOTE [ Finding the op that saved a tensor ])."""
+    records = _records(monkeypatch)
+    _run(_model(nn.PReLU), 2)
+    y = next(saved for name, saved in records if name == "PreluKernelBackward0")
+    assert isinstance(y.data, Derived)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from([(4, 3), (2, 3, 5), (2, 3, 4, 4), (1, 3, 2, 2, 2)]),
+    training=st.booleans(),
+    affine=st.booleans(),
+    after=st.sampled_from(["none", "clone", "relu", "relu_"]),
+    seed=st.integers(0, 2**16),
+)
+def test_chain_functions_rebuild_the_input_and_the_output(shape: tuple[int, ...], training: bool,
+                                                         affine: bool, after: str, seed: int) -> None:
+    """Training and eval mode, with and without affine parameters, the batch norm's output itself, the
+    clone an in-place activation saves, and ReLU (in place or not) after it."""
+    g = torch.Generator().manual_seed(seed)
+    kind = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(shape)]
+    bn = kind(3, affine=affine)
+    with torch.no_grad():
+        if affine:
+            bn.weight.copy_(torch.rand(3, generator=g) * 2.0 - 0.5)
+            bn.bias.copy_(torch.randn(3, generator=g))
+        bn.running_mean.copy_(torch.randn(3, generator=g))
+        bn.running_var.copy_(torch.rand(3, generator=g) + 0.5)
+    bn.train(training)
+    z = (torch.randn(shape, generator=g) * 3.0 + 1.0).requires_grad_(True) * 1.0
+    x = bn(z)
+    ops = {"none": lambda: x, "clone": x.clone, "relu": lambda: torch.relu(x),
+           "relu_": lambda: torch.relu_(x)}
+    t = ops[after]()
+    chain = normalized.chain_of(t)
+    assert chain is not None
+    fns = chain.functions(z.detach(), t)
+    assert fns is not None
+    normalise, z_of, t_of = fns
+    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
+    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    if training:  # the normalised coordinates have each channel's batch mean 0 and variance 1
+        n = normalise(z.detach()).transpose(0, 1).reshape(3, -1)
+        torch.testing.assert_close(n.mean(1), torch.zeros(3), atol=1e-4, rtol=0)
+
+
+class _Deep(nn.Module):
+    """A late block of a small-input CNN: 2x2 positions, so a quantisation group spans 64 channels, whose
+    scales differ by 1000x before the batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn, self.act = nn.Conv2d(64, 64, 1), nn.BatchNorm2d(64), nn.Hardswish()
+        self.c2 = nn.Conv2d(64, 8, 1)
+        with torch.no_grad():
+            self.c1.weight.mul_(torch.logspace(-1.5, 1.5, 64).view(64, 1, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.act(self.bn(self.c1(x))))
+
+
+def _deep_error(bits: int) -> float:
+    torch.manual_seed(0)
+    model = _Deep()
+    g = torch.Generator().manual_seed(0)
+    x, upstream = torch.randn(64, 64, 2, 2, generator=g), torch.randn(64, 8, 2, 2, generator=g)
+    grads = []
+    for b in (None, bits):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        ctl = None
+        if b is not None:
+            ctl = memctl.Controller(model, opt, bits=float(b), bit_choices=(b,), monitor_interval_s=0,
+                                    calibration_fraction=0.0, keep_inputs=True)  # the input exact
+        opt.zero_grad()
+        (model(x) * upstream).sum().backward()
+        if ctl is not None:
+            ctl.detach()
+        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None]))
+    return float((grads[1] - grads[0]).norm() / grads[0].norm())
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_normalised_coordinates_keep_every_channel_at_its_own_scale(bits: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record of z itself (monkeypatched: mean 0 and invstd 1, the affine map folded into weight and
+    bias) quantises small channels on the scale of the group's largest; the normalised one does not."""
+    normalised = _deep_error(bits)
+    statistics = normalized._statistics
+
+    def raw_coordinates(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> Any:
+        got = statistics(node, z, x)
+        if got is None:
+            return None
+        mean, invstd, gamma, beta = got
+        a = gamma * invstd
+        return torch.zeros_like(mean), torch.ones_like(invstd), a, beta - mean * a
+
+    monkeypatch.setattr(normalized, "_statistics", raw_coordinates)
+    assert normalised < 0.5 * _deep_error(bits)
+
+
+def test_chain_ends_only_at_batch_norm_outputs() -> None:
+    z = torch.randn(4, 3, 5, requires_grad=True) * 1.0
+    assert normalized.chain_of(torch.relu(z)) is None
+    assert normalized.chain_of(F.layer_norm(z, (5,))) is None
+    x = nn.BatchNorm1d(3)(z)
+    assert normalized.chain_of(torch.relu(x)[:, :2]) is None  # a view between
+    assert normalized.chain_of(torch.sigmoid(x)) is None  # an op not in the table
+
+
+def test_width_within() -> None:
+    assert [width_within(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)] == [1, 2, 2, 4, 4, 4, 4, 8, 8, 8]
+    assert derived.DERIVED_MAX_BITS == 8
+
+
+def test_sixteen_bits_of_a_chain_are_kept_in_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 8 bits, z's and x's records together hold 16 bits per value: the normalised record is kept
+    in half precision (never more bytes than the 8-bit records), and the gradient error falls."""
+    records = _records(monkeypatch)
+    wide = _deep_error(8)
+    root = root_of(next(saved for name, saved in records if name == "ConvolutionBackward0"))
+    assert isinstance(root.data, torch.Tensor) and root.data.dtype == torch.float16
+    monkeypatch.setattr(packing, "WIDE_BITS", 10**6)
+    assert wide < 0.2 * _deep_error(8)
