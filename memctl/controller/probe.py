@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ import torch
 
 from memctl.controller.calibration import Calibration, closed_form
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
+from memctl.controller.outliers import absurd, robust_draws, robust_value
 from memctl.controller.policy import error_bound_for
 from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, only
 from memctl.controller.stats import LayerState
@@ -28,6 +30,12 @@ class ProbeResult:
     """Added variance of the allocation in use (None when nothing was compressed)."""
     predicted: float | None = None
     """The calibrated model's prediction of ``added``."""
+    tail: bool = False
+    """Whether a draw of the allocation in use was absurd (NOTE [ Robust measurements ])."""
+    unsafe: list[tuple[str, int]] = field(default_factory=list)
+    """(layer, bits) pairs that produced an absurd draw."""
+    redraws: int = 0
+    """Replays re-run because their first draw was suspect."""
     replays: int = 0
     seconds: float = 0.0
 
@@ -50,10 +58,23 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         if exact_g is None:
             return result
         result.grad_sq = float(exact_g.square().sum())
+        scale = max(result.grad_sq, calibration.grad_noise or 0.0)
+
+        def distance(choice: ChoiceFn, salt: int) -> Callable[[int], float | None]:
+            def draw(i: int) -> float | None:
+                g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice,
+                                                           salt + 7919 * (i + 1)))
+                result.redraws += 1
+                return None if g is None else float((g - exact_g).square().sum())
+            return draw
+
         used = _timed(calibration, result, lambda: replayer.gradient(model, capture, in_use, seed + 1))
-        if used is not None:
-            result.added = float((used - exact_g).square().sum())
+        if used is not None:  # NOTE [ Robust measurements ]
+            draws = robust_draws(float((used - exact_g).square().sum()), distance(in_use, seed + 1),
+                                 scale, None)
             del used
+            result.tail = any(absurd(d, scale) for d in draws)
+            result.added = robust_value(draws)
             result.predicted = sum(
                 calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers
             )
@@ -66,6 +87,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                 result.noise = float((ga - gb).square().sum())
         if record:
             calibration.record_reference(result.grad_sq, result.noise)
+        scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
         limit = calibration.allowance(train_s, result.replays + 1)
         for name, bits in calibration.schedule(layers, limit):
@@ -76,16 +98,31 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
             if g is None:
                 continue
-            value = float((g - exact_g).square().sum())
+            expected = calibration.estimate(s, fallback_g2, bits) \
+                if bits in calibration.measured.get(name, {}) else None
+            draws = robust_draws(float((g - exact_g).square().sum()), distance(choice, salt), scale, expected)
+            del g
+            value = robust_value(draws)
+            if any(absurd(d, scale) for d in draws):
+                result.unsafe.append((name, bits))
+                if record:
+                    calibration.mark_unsafe(name, bits)
+            if not math.isfinite(value):
+                continue
             if record:
                 calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
             result.measured.append((name, bits, value))
         if calibration.unmeasured(layers):  # NOTE [ Unmeasured layers ]: after the layer measurements
             for bits in sorted(b for b in config.bit_choices if b >= 2):
-                g = _timed(calibration, result, _replay_fn(replayer, model, capture,
-                                                           _uniform(by_name, bits, config), seed + 5 + bits))
+                uniform = _uniform(by_name, bits, config)
+                g = _timed(calibration, result,
+                           _replay_fn(replayer, model, capture, uniform, seed + 5 + bits))
                 if g is not None:
-                    calibration.fit_width(bits, float((g - exact_g).square().sum()), layers, fallback_g2)
+                    expected = sum(calibration.estimate(s, fallback_g2, bits) for s in layers) \
+                        if bits in calibration.width_factors else None
+                    draws = robust_draws(float((g - exact_g).square().sum()),
+                                         distance(uniform, seed + 5 + bits), scale, expected)
+                    calibration.fit_width(bits, robust_value(draws), layers, fallback_g2)
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
