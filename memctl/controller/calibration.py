@@ -148,6 +148,9 @@ class Calibration:
         self.complete: bool | None = None
         """Whether every layer was measured, as the last probe saw it (None before one)."""
         self.probes = 0
+        self.footprints: dict[str, tuple[int, ...]] = {}
+        """Per layer, the parameters (indices) its compression error lands in; empty when it
+        spreads wider (NOTE [ Several layers per replay ])."""
         self.unsafe: dict[str, int] = {}
         """Per layer, the widest bit width that produced an absurd draw (NOTE [ Robust measurements ])."""
         self._disabled = False

@@ -15,7 +15,7 @@ probes, by any factor, and the allocation and the guard act on it. So:
   point of training), or above ``_SUSPECT`` times what the calibrated model expected
   for it when the model rests on measurements of that layer and width.
 - *A suspect draw is re-probed*: the same replay with fresh random draws, up to
-  ``_REDRAWS`` more times; the probe keeps the mean of its draws without those above
+  ``REDRAWS`` more times; the probe keeps the mean of its draws without those above
   ``_SUSPECT`` times their median (a non-finite draw orders as ``+inf`` and is never
   averaged). One outlier among three draws is then outvoted; a reproducible one (two of
   three) is real and is kept.
@@ -39,13 +39,13 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["absurd", "robust_draws", "robust_value", "suspect"]
+__all__ = ["REDRAWS", "absurd", "robust_draws", "robust_value", "suspect"]
 
 _ABSURD = 1e4
 """A draw above this many times the probe's gradient scale is absurd."""
 _SUSPECT = 8.0
 """A draw above this many times the model's measured expectation is re-probed."""
-_REDRAWS = 2
+REDRAWS = 2
 
 
 def absurd(value: float, scale: float | None) -> bool:
@@ -83,12 +83,12 @@ def robust_value(draws: Sequence[float]) -> float:
 
 def robust_draws(first: float, redraw: Callable[[int], float | None], scale: float | None,
                  expected: float | None) -> list[float]:
-    """``first`` and, if it is suspect, up to ``_REDRAWS`` more draws from ``redraw(i)``
+    """``first`` and, if it is suspect, up to ``REDRAWS`` more draws from ``redraw(i)``
     (``None``: the replay could not run)."""
     draws = [first]
     if not suspect(first, scale, expected):
         return draws
-    for i in range(_REDRAWS):
+    for i in range(REDRAWS):
         value = redraw(i)
         if value is None:
             break

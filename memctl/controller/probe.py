@@ -11,9 +11,10 @@ import torch
 
 from memctl.controller.calibration import Calibration, closed_form
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.outliers import absurd, robust_draws, robust_value
+from memctl.controller.grouping import footprint, inside, plan, shares, sound
+from memctl.controller.outliers import REDRAWS, absurd, robust_draws, robust_value, suspect
 from memctl.controller.policy import error_bound_for
-from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, only
+from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, several
 from memctl.controller.stats import LayerState
 
 __all__ = ["ProbeResult", "run_probe"]
@@ -36,6 +37,8 @@ class ProbeResult:
     """(layer, bits) pairs that produced an absurd draw."""
     redraws: int = 0
     """Replays re-run because their first draw was suspect."""
+    grouped: int = 0
+    """Replays that measured several layers at once (NOTE [ Several layers per replay ])."""
     replays: int = 0
     seconds: float = 0.0
 
@@ -90,28 +93,13 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
         limit = calibration.allowance(train_s, result.replays + 1)
-        for name, bits in calibration.schedule(layers, limit):
-            s = by_name[name]
-            eb = error_bound_for(s, bits) if config.codec is CodecMode.ERRORBOUND else None
-            choice = only(name, float(bits), eb)
-            salt = seed + 7 + result.replays
-            g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
-            if g is None:
-                continue
-            expected = calibration.estimate(s, fallback_g2, bits) \
-                if bits in calibration.measured.get(name, {}) else None
-            draws = robust_draws(float((g - exact_g).square().sum()), distance(choice, salt), scale, expected)
-            del g
-            value = robust_value(draws)
-            if any(absurd(d, scale) for d in draws):
-                result.unsafe.append((name, bits))
-                if record:
-                    calibration.mark_unsafe(name, bits)
-            if not math.isfinite(value):
-                continue
-            if record:
-                calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
-            result.measured.append((name, bits, value))
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
+        for job in plan(everything, calibration.footprints, limit):  # NOTE [ Several layers per replay ]
+            _measure(job, by_name, calibration, result, config, fallback_g2, step, scale, sizes,
+                     lambda choice, salt: _distance(replayer, model, capture, choice, salt, exact_g,
+                                                    calibration, result),
+                     seed + 7 + result.replays, record)
         if calibration.unmeasured(layers):  # NOTE [ Unmeasured layers ]: after the layer measurements
             for bits in sorted(b for b in config.bit_choices if b >= 2):
                 uniform = _uniform(by_name, bits, config)
@@ -134,6 +122,70 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         calibration.added = result.added
         calibration.added_predicted = result.predicted
     return result
+
+
+def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibration: Calibration,
+             result: ProbeResult, config: ControllerConfig, fallback_g2: float, step: int, scale: float,
+             sizes: list[int], draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int,
+             record: bool) -> None:
+    """Measure one replay's layers: one alone, or a group whose errors stay in disjoint
+    footprints (NOTE [ Several layers per replay ]); suspect draws re-probed (NOTE [ Robust
+    measurements ])."""
+    wanted: dict[str, tuple[float, float | None]] = {}
+    for name, bits in job:
+        eb = error_bound_for(by_name[name], bits) if config.codec is CodecMode.ERRORBOUND else None
+        wanted[name] = (float(bits), eb)
+    choice = several(wanted)
+    prints = {name: calibration.footprints.get(name, ()) for name, _ in job}
+    grouped = any(prints.values())
+    delta = draw(choice, salt)
+    if delta is None:
+        return
+    parts = shares(delta, sizes)
+    total = float(delta.square().sum())
+    if grouped and math.isfinite(total) and not (parts and sound(parts, prints.values())):
+        for name in prints:  # the premise failed: measure these layers alone again
+            calibration.footprints[name] = ()
+        return
+
+    def values(parts: list[float], total: float) -> dict[str, float]:
+        if not math.isfinite(total):
+            return dict.fromkeys(prints, total)
+        return {n: inside(parts, fp) if fp else total for n, fp in prints.items()}
+
+    result.grouped += len(job) > 1
+    first = values(parts, total)
+    draws = {n: [v] for n, v in first.items()}
+    expected = {n: calibration.estimate(by_name[n], fallback_g2, b) if b in calibration.measured.get(n, {})
+                else None for n, b in job}
+    if any(suspect(v, scale, expected[n]) for n, v in first.items()):
+        for i in range(REDRAWS):
+            again = draw(choice, salt + 7919 * (i + 1))
+            result.redraws += 1
+            if again is None:
+                break
+            for n, v in values(shares(again, sizes), float(again.square().sum())).items():
+                draws[n].append(v)
+    elif not grouped and parts:
+        calibration.footprints[job[0][0]] = footprint(parts)
+    for name, bits in job:
+        value = robust_value(draws[name])
+        if any(absurd(d, scale) for d in draws[name]):
+            result.unsafe.append((name, bits))
+            if record:
+                calibration.mark_unsafe(name, bits)
+        if not math.isfinite(value):
+            continue
+        if record:
+            calibration.record(name, bits, value, closed_form(by_name[name], fallback_g2, bits), step)
+        result.measured.append((name, bits, value))
+
+
+def _distance(replayer: Replayer, model: torch.nn.Module, capture: Capture, choice: ChoiceFn, salt: int,
+              exact_g: torch.Tensor, calibration: Calibration, result: ProbeResult) -> torch.Tensor | None:
+    """The gradient difference of one replay from the exact one (None when it cannot run)."""
+    g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
+    return None if g is None else g - exact_g
 
 
 def _uniform(by_name: dict[str, LayerState], bits: int, config: ControllerConfig) -> ChoiceFn:

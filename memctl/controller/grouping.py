@@ -1,0 +1,103 @@
+"""Several layers measured in one replay, where each one's noise stays in its own parameters.
+
+NOTE [ Several layers per replay ]
+A layer measurement (NOTE [ Calibration ]) replays the step with one layer compressed:
+one forward and backward per (layer, width). A network of 60 layers at four widths is 240
+replays, so in a short run most layers are never measured and keep the fitted factor of
+NOTE [ Unmeasured layers ] (and no 1 bit). Measuring two layers in one replay is sound
+only when their errors can be told apart in the gradient, and for many layers they can:
+a linear or convolution layer's saved input is read by the backward only to form that
+layer's own weight gradient, so the error of compressing it lands in that one
+parameter and nowhere else; a ReLU's output, which the next convolution reads through
+the same record (NOTE [ De-duplication ]), lands in that convolution's weight. A
+BatchNorm or GELU input is different: its error enters the input gradient and reaches
+every parameter below.
+
+So the calibration does not assume, it looks. When a layer is measured alone, the
+squared error of the gradient is split by parameter tensor; the fewest tensors holding
+``_COVER`` (99.5%) of it, if there are at most ``_MAX_FOOTPRINT`` of them, are the
+layer's *footprint* (:func:`footprint`); a layer whose error spreads wider has none.
+From then on, layers with footprints that do not overlap are measured together, one
+replay per group and width (:func:`plan`), and each one's value is the squared error
+inside its own footprint. The replay checks the premise again: the error outside every
+member's footprint must stay under ``1 − _COVER`` of the total, else the group's
+values are discarded and its members lose their footprints (measured alone again).
+What a group cannot do is the first measurement of a layer (its footprint comes from
+it), so the first pass at the first width stays one replay per layer; the other widths
+and every re-measurement afterwards cost one replay per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+__all__ = ["footprint", "inside", "plan", "shares", "sound"]
+
+_COVER = 0.995
+_MAX_FOOTPRINT = 3
+
+
+def shares(delta: torch.Tensor, sizes: list[int]) -> list[float]:
+    """The squared norm of ``delta`` (a flat gradient difference) within each parameter."""
+    if sum(sizes) != delta.numel():
+        return []
+    return [float(x.square().sum()) for x in torch.split(delta, sizes)]
+
+
+def footprint(parts: list[float]) -> tuple[int, ...]:
+    """The fewest parameters holding ``_COVER`` of the squared error (empty: spread wider, or none)."""
+    total = sum(parts)
+    if not parts or not total > 0:
+        return ()
+    order = sorted(range(len(parts)), key=lambda i: -parts[i])
+    kept: list[int] = []
+    covered = 0.0
+    for i in order:
+        if covered >= _COVER * total:
+            break
+        kept.append(i)
+        covered += parts[i]
+        if len(kept) > _MAX_FOOTPRINT:
+            return ()
+    return tuple(sorted(kept))
+
+
+def inside(parts: list[float], where: Iterable[int]) -> float:
+    """The squared error within the parameters ``where``."""
+    return sum(parts[i] for i in where if i < len(parts))
+
+
+def sound(parts: list[float], footprints: Iterable[tuple[int, ...]]) -> bool:
+    """Whether the error outside the members' footprints is within ``1 − _COVER`` of the total."""
+    total = sum(parts)
+    covered = set().union(*footprints)
+    return total <= 0 or total - inside(parts, covered) <= (1.0 - _COVER) * total
+
+
+def plan(pairs: Iterable[tuple[str, int]], footprints: Mapping[str, tuple[int, ...]],
+         limit: int) -> list[list[tuple[str, int]]]:
+    """The first ``limit`` replays for ``pairs`` (in their order): each pair alone, except
+    that a pair whose layer has a footprint joins the first open group of its width whose
+    members' footprints it does not overlap."""
+    jobs: list[list[tuple[str, int]]] = []
+    used: list[set[int]] = []
+    for name, bits in pairs:
+        mine = footprints.get(name, ())
+        if mine:
+            for job, taken in zip(jobs, used, strict=True):
+                if job[0][1] == bits and taken and not taken & set(mine) \
+                        and all(n != name for n, _ in job):
+                    job.append((name, bits))
+                    taken.update(mine)
+                    break
+            else:
+                if len(jobs) < limit:
+                    jobs.append([(name, bits)])
+                    used.append(set(mine))
+            continue
+        if len(jobs) < limit:
+            jobs.append([(name, bits)])
+            used.append(set())
+    return jobs

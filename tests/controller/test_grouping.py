@@ -1,0 +1,91 @@
+"""Several layers per replay (NOTE [ Several layers per replay ]): footprints found by a
+layer's own measurement, groups of disjoint footprints, the premise checked at every replay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import memctl
+from memctl.controller import controller as controller_module
+from memctl.controller.grouping import footprint, plan, sound
+from memctl.controller.probe import ProbeResult
+from tests.controller.test_guard import NoisyNet, _steps
+
+
+def test_footprint_is_the_few_parameters_holding_the_error() -> None:
+    assert footprint([0.0, 0.99, 0.01, 0.0]) == (1, 2)
+    assert footprint([0.0, 0.999, 0.001, 0.0]) == (1,)
+    assert footprint([5.0, 0.0, 0.0]) == (0,)
+    assert footprint([1.0] * 10) == ()  # spread over every parameter
+    assert footprint([0.0, 0.0]) == ()  # no error: nothing to attribute
+
+
+def test_plan_groups_disjoint_footprints_of_one_width() -> None:
+    prints = {"a": (0,), "b": (1,), "c": (0, 2), "d": ()}
+    pairs = [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("a", 4), ("e", 1)]
+    jobs = plan(pairs, prints, limit=3)
+    assert jobs[0] == [("a", 1), ("b", 1)]  # c overlaps a
+    assert [("c", 1)] in jobs and [("d", 1)] in jobs
+    assert len(jobs) == 3  # the limit counts replays; ("a", 4) and ("e", 1) wait
+    assert sum(len(j) for j in plan(pairs, prints, limit=10)) == len(pairs)
+
+
+def test_sound_needs_the_error_inside_the_footprints() -> None:
+    assert sound([1.0, 2.0, 0.001], [(0,), (1,)])
+    assert not sound([1.0, 2.0, 0.5], [(0,), (1,)])
+
+
+def _probes(monkeypatch: pytest.MonkeyPatch) -> list[ProbeResult]:
+    results: list[ProbeResult] = []
+    real = controller_module.run_probe
+
+    def spy(*args: Any, **kw: Any) -> ProbeResult:
+        out = real(*args, **kw)
+        results.append(out)
+        return out
+
+    monkeypatch.setattr(controller_module, "run_probe", spy)
+    return results
+
+
+def _controller(**kw: Any) -> memctl.Controller:
+    torch.manual_seed(0)
+    model = NoisyNet(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                             calibration_fraction=1000.0, calibration_max_replays=4, **kw)
+
+
+def test_linear_inputs_are_measured_together_and_agree_with_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    results = _probes(monkeypatch)
+    ctl = _controller()
+    _steps(ctl, 9)
+    cal = ctl._calibration
+    ctl.detach()
+    index = {name: i for i, (name, p) in enumerate(ctl.model.named_parameters())}
+    # a linear layer's saved input reaches only its own weight's gradient
+    assert cal.footprints["fc1"] == (index["fc1.weight"],)
+    assert cal.footprints["fc2"] == (index["fc2.weight"],)
+    assert sum(r.grouped for r in results) > 0
+    # a probe measured more (layer, width) pairs than it ran layer replays
+    assert any(len(r.measured) > 4 for r in results)
+    # grouped and alone, one layer's draws agree (no other layer's error leaks in)
+    draws = cal.measured["fc2"][2].draws
+    assert len(draws) >= 2 and max(draws) < 3 * min(draws), draws
+
+
+def test_a_wrong_footprint_is_caught_and_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    results = _probes(monkeypatch)
+    ctl = _controller()
+    _steps(ctl, 3)
+    cal = ctl._calibration
+    index = {name: i for i, (name, p) in enumerate(ctl.model.named_parameters())}
+    # the wiggle's error reaches fc1's weight and bias, not fc2's weight
+    cal.footprints["wiggle"] = (index["fc2.weight"],)
+    _steps(ctl, 4, seed=1)
+    ctl.detach()
+    assert cal.footprints["wiggle"] != (index["fc2.weight"],)
+    assert results
