@@ -22,9 +22,19 @@ replay per group and width (:func:`plan`), and each one's value is the squared e
 inside its own footprint. The replay checks the premise again: the error outside every
 member's footprint must stay under ``1 − _COVER`` of the total, else the group's
 values are discarded and its members lose their footprints (measured alone again).
-What a group cannot do is the first measurement of a layer (its footprint comes from
-it), so the first pass at the first width stays one replay per layer; the other widths
-and every re-measurement afterwards cost one replay per group.
+
+Before its first measurement a layer has a footprint only by its kind
+(:func:`prior_footprints`): a ``Linear`` or ``ConvNd`` module (or a module named
+``Conv1D``, GPT-2's) that holds records of its own. Its only compressed saved tensor is
+its input (the weight is a parameter, never compressed), and the backward reads that
+input only for the weight's gradient, so the error stays in the module's own
+parameters. A module whose input was saved first by another layer (a ReLU's output, read
+through the same record, NOTE [ De-duplication ]) holds no record and is no layer, so it
+is never a member; the owner's error in its weight is outside every member's footprint
+and the check above catches it. A prior that fails the check is dropped like a measured
+one, and the layer is measured alone. On transformers, where the linear layers own
+their inputs, the first pass at the first width then also costs one replay per group;
+on ResNet-style nets, where the ReLUs and BatchNorms own the records, it does not.
 """
 
 from __future__ import annotations
@@ -33,7 +43,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-__all__ = ["footprint", "inside", "plan", "shares", "sound"]
+__all__ = ["footprint", "inside", "plan", "prior_footprints", "shares", "sound"]
+
+# Modules whose only compressed saved tensor is an input read for the weight's gradient alone.
+_WEIGHT_ONLY = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+_WEIGHT_ONLY_NAMES = frozenset({"Conv1D"})
 
 _COVER = 0.995
 _MAX_FOOTPRINT = 3
@@ -44,6 +58,23 @@ def shares(delta: torch.Tensor, sizes: list[int]) -> list[float]:
     if sum(sizes) != delta.numel():
         return []
     return [float(x.square().sum()) for x in torch.split(delta, sizes)]
+
+
+def prior_footprints(model: torch.nn.Module, names: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The footprints of ``names`` by their kind: a linear or convolution module's own
+    parameters (indices among the parameters that require grad); other names get none."""
+    index = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}
+    modules = dict(model.named_modules())
+    out: dict[str, tuple[int, ...]] = {}
+    for name in names:
+        module = modules.get(name)
+        if module is None or not (isinstance(module, _WEIGHT_ONLY)
+                                  or type(module).__name__ in _WEIGHT_ONLY_NAMES):
+            continue
+        own = tuple(sorted(index[id(p)] for p in module.parameters(recurse=False) if id(p) in index))
+        if own:
+            out[name] = own
+    return out
 
 
 def footprint(parts: list[float]) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ import torch
 
 from memctl.controller.calibration import Calibration, closed_form
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.grouping import footprint, inside, plan, shares, sound
+from memctl.controller.grouping import footprint, inside, plan, prior_footprints, shares, sound
 from memctl.controller.outliers import REDRAWS, absurd, robust_draws, robust_value, suspect
 from memctl.controller.policy import error_bound_for
 from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, several
@@ -95,8 +95,11 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         limit = calibration.allowance(train_s, result.replays + 1)
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
-        for job in plan(everything, calibration.footprints, limit):  # NOTE [ Several layers per replay ]
-            _measure(job, by_name, calibration, result, config, fallback_g2, step, scale, sizes,
+        # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
+        prints = {**prior_footprints(model, [n for n in by_name if n not in calibration.footprints]),
+                  **calibration.footprints}
+        for job in plan(everything, prints, limit):
+            _measure(job, by_name, calibration, result, config, fallback_g2, step, scale, sizes, prints,
                      lambda choice, salt: _distance(replayer, model, capture, choice, salt, exact_g,
                                                     calibration, result),
                      seed + 7 + result.replays, record)
@@ -126,8 +129,8 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
 
 def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibration: Calibration,
              result: ProbeResult, config: ControllerConfig, fallback_g2: float, step: int, scale: float,
-             sizes: list[int], draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int,
-             record: bool) -> None:
+             sizes: list[int], footprints: dict[str, tuple[int, ...]],
+             draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int, record: bool) -> None:
     """Measure one replay's layers: one alone, or a group whose errors stay in disjoint
     footprints (NOTE [ Several layers per replay ]); suspect draws re-probed (NOTE [ Robust
     measurements ])."""
@@ -136,7 +139,7 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
         eb = error_bound_for(by_name[name], bits) if config.codec is CodecMode.ERRORBOUND else None
         wanted[name] = (float(bits), eb)
     choice = several(wanted)
-    prints = {name: calibration.footprints.get(name, ()) for name, _ in job}
+    prints = {name: footprints.get(name, ()) for name, _ in job}
     grouped = any(prints.values())
     delta = draw(choice, salt)
     if delta is None:
@@ -145,8 +148,11 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
     total = float(delta.square().sum())
     if grouped and math.isfinite(total) and not (parts and sound(parts, prints.values())):
         for name in prints:  # the premise failed: measure these layers alone again
-            calibration.footprints[name] = ()
+            calibration.footprints[name] = footprints[name] = ()
         return
+    for name, fp in prints.items():  # a prior that held is kept as the layer's footprint
+        if fp and grouped and math.isfinite(total):
+            calibration.footprints.setdefault(name, fp)
 
     def values(parts: list[float], total: float) -> dict[str, float]:
         if not math.isfinite(total):

@@ -66,9 +66,10 @@ def test_linear_inputs_are_measured_together_and_agree_with_alone(monkeypatch: p
     cal = ctl._calibration
     ctl.detach()
     index = {name: i for i, (name, p) in enumerate(ctl.model.named_parameters())}
-    # a linear layer's saved input reaches only its own weight's gradient
-    assert cal.footprints["fc1"] == (index["fc1.weight"],)
-    assert cal.footprints["fc2"] == (index["fc2.weight"],)
+    # a linear layer's saved input reaches only its own parameters' gradients
+    for name in ("fc1", "fc2"):
+        assert index[f"{name}.weight"] in cal.footprints[name]
+        assert set(cal.footprints[name]) <= {index[f"{name}.weight"], index[f"{name}.bias"]}
     assert sum(r.grouped for r in results) > 0
     # a probe measured more (layer, width) pairs than it ran layer replays
     assert any(len(r.measured) > 4 for r in results)
@@ -88,4 +89,50 @@ def test_a_wrong_footprint_is_caught_and_dropped(monkeypatch: pytest.MonkeyPatch
     _steps(ctl, 4, seed=1)
     ctl.detach()
     assert cal.footprints["wiggle"] != (index["fc2.weight"],)
+    assert results
+
+
+def test_linear_layers_are_grouped_from_the_first_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    results = _probes(monkeypatch)
+    ctl = _controller()
+    _steps(ctl, 1)
+    ctl.detach()
+    # fc1 and fc2 own their inputs: one replay measures both at the first width
+    assert results and results[0].grouped == 1
+    assert {(n, b) for n, b, _ in results[0].measured} >= {("fc1", 2), ("fc2", 2)}
+
+
+class _SharedInput(torch.nn.Module):
+    """``a`` and ``b`` read the same input: ``a`` saves it first, ``b`` reuses ``a``'s record, so
+    compressing layer ``a`` also moves ``b``'s weight gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(32, 64)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(x) + self.b(x)))
+
+
+def test_a_prior_footprint_that_does_not_hold_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    results = _probes(monkeypatch)
+    torch.manual_seed(0)
+    model = _SharedInput()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                            calibration_fraction=1000.0, calibration_max_replays=4)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x = torch.randn(64, 32, generator=g)
+        torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+    cal = ctl._calibration
+    ctl.detach()
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    assert "b" not in cal.measured  # b holds no record of its own
+    # the prior (a's own weight and bias) missed b's weight; measured alone, a's footprint has it
+    assert index["b.weight"] in cal.footprints["a"], cal.footprints
     assert results
