@@ -9,12 +9,15 @@ from typing import Any
 import pytest
 import torch
 
+import memctl
+from memctl.controller import controller as controller_module
 from memctl.controller.calibration import Calibration, closed_form
 from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.outliers import absurd, robust_value, suspect
-from memctl.controller.probe import run_probe
+from memctl.controller.probe import ProbeResult, run_probe
 from memctl.controller.replay import Capture
 from memctl.controller.stats import LayerState
+from tests.controller.test_guard import NoisyNet, _steps
 
 
 def _layer(name: str) -> LayerState:
@@ -137,3 +140,26 @@ def test_an_absurd_draw_of_the_allocation_in_use_is_a_tail() -> None:
     replayer = _ScriptedReplayer("a", [7.9e13], ordinary=0.5)
     result = _probe(replayer, cal, in_use, config)
     assert result.tail and math.isclose(result.added, 0.5, rel_tol=1e-6)
+
+
+def test_controller_reports_outliers_and_guard_acts_on_a_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+
+    real = controller_module.run_probe
+
+    def tail_probe(*args: Any, **kw: Any) -> ProbeResult:
+        out: ProbeResult = real(*args, **kw)
+        out.added = 0.0  # the outlier-free value: no excess the noise guard would see
+        out.tail, out.unsafe = True, [("fc2", 1)]
+        return out
+
+    monkeypatch.setattr(controller_module, "run_probe", tail_probe)
+    torch.manual_seed(0)
+    model = NoisyNet(4.0)
+    ctl = memctl.Controller(model, torch.optim.SGD(model.parameters(), lr=0.05), monitor_interval_s=0,
+                            min_numel=64, allocation_interval=2, calibration_fraction=1000.0, bits=2.0)
+    _steps(ctl, 3)
+    events = [e for e in ctl.stats()["events"] if e["kind"] in ("guard", "calibration_outlier")]
+    ctl.detach()
+    kinds = {e["kind"] for e in events}
+    assert kinds == {"guard", "calibration_outlier"}, events
+    assert any("absurd gradient" in e["message"] for e in events if e["kind"] == "guard")
