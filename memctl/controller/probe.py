@@ -146,18 +146,19 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
         return
     parts = shares(delta, sizes)
     total = float(delta.square().sum())
-    if grouped and math.isfinite(total) and not (parts and sound(parts, prints.values())):
-        for name in prints:  # the premise failed: measure these layers alone again
+    if grouped and not (parts and sound(parts, prints.values())):
+        # the premise failed (or a non-finite draw cannot be told apart): measure alone again
+        for name in prints:
             calibration.footprints[name] = footprints[name] = ()
         return
     for name, fp in prints.items():  # a prior that held is kept as the layer's footprint
-        if fp and grouped and math.isfinite(total):
+        if fp and grouped:
             calibration.footprints.setdefault(name, fp)
 
     def values(parts: list[float], total: float) -> dict[str, float]:
-        if not math.isfinite(total):
+        if not grouped:
             return dict.fromkeys(prints, total)
-        return {n: inside(parts, fp) if fp else total for n, fp in prints.items()}
+        return {n: inside(parts, fp) for n, fp in prints.items()}
 
     result.grouped += len(job) > 1
     first = values(parts, total)
@@ -170,7 +171,10 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
             result.redraws += 1
             if again is None:
                 break
-            for n, v in values(shares(again, sizes), float(again.square().sum())).items():
+            again_parts = shares(again, sizes)
+            if grouped and not (again_parts and sound(again_parts, prints.values())):
+                break
+            for n, v in values(again_parts, float(again.square().sum())).items():
                 draws[n].append(v)
     elif not grouped and parts:
         calibration.footprints[job[0][0]] = footprint(parts)

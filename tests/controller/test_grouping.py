@@ -3,6 +3,7 @@ layer's own measurement, groups of disjoint footprints, the premise checked at e
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ def test_plan_groups_disjoint_footprints_of_one_width() -> None:
 def test_sound_needs_the_error_inside_the_footprints() -> None:
     assert sound([1.0, 2.0, 0.001], [(0,), (1,)])
     assert not sound([1.0, 2.0, 0.5], [(0,), (1,)])
+    assert not sound([math.nan, 2.0, 0.0], [(0,), (1,)])  # a non-finite draw cannot be told apart
 
 
 def _probes(monkeypatch: pytest.MonkeyPatch) -> list[ProbeResult]:
