@@ -32,6 +32,8 @@ def test_plan_groups_disjoint_footprints_of_one_width() -> None:
     assert [("c", 1)] in jobs and [("d", 1)] in jobs
     assert len(jobs) == 3  # the limit counts replays; ("a", 4) and ("e", 1) wait
     assert sum(len(j) for j in plan(pairs, prints, limit=10)) == len(pairs)
+    # one replay allowed: the group goes before the larger single layer ahead of it
+    assert plan([("d", 2), ("a", 2), ("b", 2)], prints, limit=1) == [[("a", 2), ("b", 2)]]
 
 
 def test_sound_needs_the_error_inside_the_footprints() -> None:
@@ -100,7 +102,7 @@ def test_linear_layers_are_grouped_from_the_first_probe(monkeypatch: pytest.Monk
     _steps(ctl, 1)
     ctl.detach()
     # fc1 and fc2 own their inputs: one replay measures both at the first width
-    assert results and results[0].grouped == 1
+    assert results and results[0].grouped >= 1
     assert {(n, b) for n, b, _ in results[0].measured} >= {("fc1", 2), ("fc2", 2)}
 
 
