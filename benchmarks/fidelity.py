@@ -384,7 +384,8 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
     record = cal.record
     seen: list[dict[str, Any]] = []
 
-    def watched(layer: str, bits: int, value: float, predicted: float, step: int) -> None:
+    def watched(layer: str, bits: int, value: float, predicted: float, step: int,
+                scale: float | None = None) -> None:
         states = [s for s in ctl._layers.values() if s.numels]
         state = ctl._layers.get(layer)
         if state is not None:
@@ -393,7 +394,7 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
             before = cal.estimate(state, median_grad_sq(states), bits)
             seen.append({"layer": layer, "bits": bits, "measured": value, "predicted": before,
                          "closed_form": predicted, "kind": kind, "step": step})
-        record(layer, bits, value, predicted, step)
+        record(layer, bits, value, predicted, step, scale)
 
     cal.record = watched
     return seen
