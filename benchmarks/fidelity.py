@@ -394,7 +394,7 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
             before = cal.estimate(state, median_grad_sq(states), bits)
             seen.append({"layer": layer, "bits": bits, "measured": value, "predicted": before,
                          "closed_form": predicted, "kind": kind, "step": step})
-        record(layer, bits, value, predicted, step, scale)
+        record(layer, bits, value, predicted, step)
 
     cal.record = watched
     return seen

@@ -1,8 +1,7 @@
 """The calibrated variance model against fresh measurements: the ``varcheck`` audit.
 
 After a run, with the controller still attached, :func:`audit` takes the variance model's
-prediction for each of the ``layers`` largest layers at every bit width (as a probe of one
-more step would make it: aged to that step's exact gradient), then measures the
+prediction for each of the ``layers`` largest layers at every bit width, then measures the
 same (layer, width) on one more step (the last batch again, at the weights training left)
 with ``draws`` fresh replays (NOTE [ Replay ]:
 that layer compressed, every other exact) and compares the prediction with the mean of
@@ -37,6 +36,7 @@ def audit(ctl: Any, loss_fn: Callable[[], torch.Tensor], *, layers: int = 12, dr
     g2 = median_grad_sq(states)
     chosen = sorted(states, key=lambda s: (-sum(s.numels), s.name))[:layers]
     widths = [b for b in ctl.config.bit_choices if b < KEEP_BITS]
+    predicted = {(s.name, b): cal.estimate(s, g2, b) for s in chosen for b in widths}
     kinds = {(s.name, b): ("measured" if b in cal.measured.get(s.name, {}) else
                            "other_width" if cal.measured.get(s.name) else "unmeasured")
              for s in chosen for b in widths}
@@ -68,10 +68,6 @@ def audit(ctl: Any, loss_fn: Callable[[], torch.Tensor], *, layers: int = 12, dr
         ref = replayer.gradient(target, capture, exact, seed)
         if ref is None:
             return out
-        # predicted as a probe of this step would: with this step's exact gradient as the
-        # scale (NOTE [ Measurements relative to the gradient ]), nothing of it measured yet
-        cal.record_reference(float(ref.square().sum()), None)
-        predicted = {(s.name, b): cal.estimate(s, g2, b) for s in chosen for b in widths}
         for s in chosen:
             for b in widths:
                 values = []

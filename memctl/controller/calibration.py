@@ -69,18 +69,6 @@ carries over), at least one layer measurement per probe, so a large model is
 calibrated over a number of intervals, largest layers first, 2 bits before 1.
 See NOTE [ Probe cost ] for how the share is kept.
 
-NOTE [ Measurements relative to the gradient ]
-A layer is measured at a few probes and its estimate is used until the next; meanwhile
-training shrinks the gradient, and with it every layer's added variance (on the test CNN
-over 20 steps, a ReLU's 2-bit measurement from the first probes was 4x what fresh
-replays gave at the end). The closed form's drift (above) follows this only damped and
-clipped. So each measurement is kept relative to its own probe's exact gradient,
-``V / ‖g‖²`` (a ratio of two figures of one replayed step, free of the batch's own scale),
-the window's robust mean is taken over those ratios, and the estimate multiplies it by
-the last probe's ``‖g‖²`` (clipped to 16x either way): a measurement ages with the
-gradient. Where a probe's ``‖g‖²`` is not known (a state saved before, measurements
-agreed across ranks), the drift of the closed form is used as before.
-
 NOTE [ Probe cost ]
 ~~~~~~~~~~~~~~~~~~~
 A probe has fixed replays that no allowance can drop: the exact gradient, the
@@ -99,7 +87,7 @@ steps, so ranks keep one probe per allocation step (NOTE [ Calibration across ra
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from memctl.controller.config import KEEP_BITS, ControllerConfig
@@ -113,7 +101,6 @@ _DEFAULT_ONE_BIT_EXCESS = 8.0
 _DRIFT_CLIP = 2.0
 _EMA = 0.5
 _WINDOW = 5
-_AGE_CLIP = 16.0
 
 
 @dataclass(frozen=True)
@@ -131,9 +118,6 @@ class Measurement:
     draws: tuple[float, ...] = ()
     """The last ``_WINDOW`` probes' values (oldest first)."""
     closed_draws: tuple[float, ...] = ()
-    scales: tuple[float, ...] = ()
-    """The exact gradient's squared norm at those probes (NOTE [ Measurements relative to the
-    gradient ]); empty when not known."""
 
 
 def closed_form(state: LayerState, fallback_g2: float, bits: float) -> float:
@@ -164,9 +148,6 @@ class Calibration:
         self.complete: bool | None = None
         """Whether every layer was measured, as the last probe saw it (None before one)."""
         self.probes = 0
-        self.scale_now: float | None = None
-        """The exact gradient's squared norm at the last probe (NOTE [ Measurements relative to
-        the gradient ])."""
         self.footprints: dict[str, tuple[int, ...]] = {}
         """Per layer, the parameters (indices) its compression error lands in; empty when it
         spreads wider (NOTE [ Several layers per replay ])."""
@@ -183,12 +164,9 @@ class Calibration:
         self._disabled = True
 
     # -- measurements ---------------------------------------------------------------
-    def record(self, layer: str, bits: int, value: float, predicted: float, step: int,
-               scale: float | None = None) -> None:
+    def record(self, layer: str, bits: int, value: float, predicted: float, step: int) -> None:
         """Fold one probe's value into the layer's robust mean over the last ``_WINDOW`` probes
-        (NOTE [ Robust measurements ]), each relative to its probe's gradient ``scale`` when
-        given (NOTE [ Measurements relative to the gradient ]); a non-finite value is not a
-        measurement."""
+        (NOTE [ Robust measurements ]); a non-finite value is not a measurement."""
         if not (math.isfinite(value) and value >= 0):
             return
         mine = self.measured.setdefault(layer, {})
@@ -196,16 +174,8 @@ class Calibration:
         draws = ((old.draws or (old.value,)) if old is not None else ()) + (value,)
         closed = ((old.closed_draws or (old.closed_form,)) if old is not None else ()) + (predicted,)
         draws, closed = draws[-_WINDOW:], closed[-_WINDOW:]
-        known = scale is not None and math.isfinite(scale) and scale > 0
-        scales = ((old.scales if old is not None else ()) + (float(scale),))[-_WINDOW:] \
-            if known and scale is not None else ()
-        if scales and len(scales) == len(draws):
-            mean = robust_value([d / g for d, g in zip(draws, scales, strict=True)]) * scales[-1]
-        else:
-            scales = ()
-            mean = robust_value(draws)
-        mine[bits] = Measurement(mean, sum(closed) / len(closed), step,
-                                 (old.count if old is not None else 0) + 1, draws, closed, scales)
+        mine[bits] = Measurement(robust_value(draws), sum(closed) / len(closed), step,
+                                 (old.count if old is not None else 0) + 1, draws, closed)
 
     def mark_unsafe(self, layer: str, bits: int) -> None:
         """Remember that ``layer`` at ``bits`` produced an absurd draw (NOTE [ Robust measurements ])."""
@@ -214,8 +184,6 @@ class Calibration:
     def record_reference(self, grad_sq: float | None, noise: float | None) -> None:
         if grad_sq is not None and math.isfinite(grad_sq):
             self.grad_sq = _ema(self.grad_sq, grad_sq)
-            if grad_sq > 0:
-                self.scale_now = grad_sq
         if noise is not None and math.isfinite(noise) and noise > 0:
             self.grad_noise = _ema(self.grad_noise, noise)
 
@@ -233,19 +201,18 @@ class Calibration:
         b = int(bits)
         p = closed_form(state, fallback_g2, b)
         mine = self.measured.get(state.name, {})
-        pooled = _pooled(mine, self._aged) if b > 2 or (b == 2 and 2 not in mine) else None
+        pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
-            scale, closed_scale, aged = pooled
+            scale, closed_scale = pooled
             step = float(2**b - 1) ** 2
-            return scale / step * (1.0 if aged else _drift(p, closed_scale / step))
+            return scale / step * _drift(p, closed_scale / step)
         if b in mine:
             m = mine[b]
-            age = self._aged(m)
-            return m.value * (age if age is not None else _drift(p, m.closed_form))
+            return m.value * _drift(p, m.closed_form)
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            value = m.value * (self._aged(m) or 1.0) * _law(b, near, p, closed_form(state, fallback_g2, near))
+            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near))
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
@@ -256,13 +223,6 @@ class Calibration:
             return self.width_factors[near] * p * excess
         largest = self._largest_factor(b)
         return p if largest is None else largest * p
-
-    def _aged(self, m: Measurement) -> float | None:
-        """How far the gradient's scale moved since ``m`` (NOTE [ Measurements relative to the
-        gradient ]); None when either end is unknown."""
-        if not m.scales or self.scale_now is None or m.scales[-1] <= 0:
-            return None
-        return min(max(self.scale_now / m.scales[-1], 1.0 / _AGE_CLIP), _AGE_CLIP)
 
     def unmeasured(self, layers: Iterable[LayerState]) -> bool:
         """Whether any of ``layers`` has no measurement yet (also kept as :attr:`complete`)."""
@@ -394,10 +354,9 @@ class Calibration:
     def state_dict(self) -> dict[str, object]:
         return {
             "measured": {n: {str(b): [m.value, m.closed_form, m.step, m.count, list(m.draws),
-                                      list(m.closed_draws), list(m.scales)] for b, m in mine.items()}
+                                      list(m.closed_draws)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
             "unsafe": dict(self.unsafe),
-            "scale_now": self.scale_now,
             "grad_sq": self.grad_sq,
             "grad_noise": self.grad_noise,
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
@@ -411,12 +370,9 @@ class Calibration:
                 self.measured[str(name)] = {
                     int(b): Measurement(float(v[0]), float(v[1]), int(v[2]), int(v[3]),
                                         tuple(float(x) for x in (v[4] if len(v) > 4 else ())),
-                                        tuple(float(x) for x in (v[5] if len(v) > 5 else ())),
-                                        tuple(float(x) for x in (v[6] if len(v) > 6 else ())))
+                                        tuple(float(x) for x in (v[5] if len(v) > 5 else ())))
                     for b, v in dict(mine).items()
                 }
-        now = state.get("scale_now")
-        self.scale_now = float(now) if isinstance(now, int | float) else None
         unsafe = state.get("unsafe") or {}
         self.unsafe = {str(k): int(v) for k, v in unsafe.items()} if isinstance(unsafe, dict) else {}
         g2, noise = state.get("grad_sq"), state.get("grad_noise")
@@ -428,8 +384,7 @@ class Calibration:
             self.width_factors = {int(b): float(f) for b, f in widths.items()}
 
 
-def _pooled(mine: dict[int, Measurement],
-            aged: Callable[[Measurement], float | None]) -> tuple[float, float, bool] | None:
+def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
     """The layer's measured and closed-form scales ``V · (2^b − 1)²``, pooled over widths >= 2.
 
     NOTE [ Pooling the widths from 2 bits up ]
@@ -449,19 +404,18 @@ def _pooled(mine: dict[int, Measurement],
     the two own measurements, stays as it was); so does 1 bit (it does not follow the law:
     NOTE [ Calibration ]).
     """
-    used = [(b, m) for b, m in mine.items() if b >= 2 and m.closed_form > 0]
-    ages = [aged(m) for _, m in used]
-    relative = bool(used) and all(a is not None for a in ages)
     total = scale = closed = 0.0
-    for (b, m), age in zip(used, ages, strict=True):
+    for b, m in mine.items():
+        if b < 2 or m.closed_form <= 0:
+            continue
         w = float(min(m.count, _WINDOW))
         step = float(2**b - 1) ** 2
         total += w
-        scale += w * m.value * step * (age if relative and age is not None else 1.0)
+        scale += w * m.value * step
         closed += w * m.closed_form * step
     if total == 0:
         return None
-    return scale / total, closed / total, relative
+    return scale / total, closed / total
 
 
 def _law(b: int, k: int, p_b: float, p_k: float) -> float:

@@ -18,7 +18,7 @@ squared error of the gradient is split by parameter tensor; the fewest tensors h
 ``_COVER`` (99.5%) of it, if there are at most ``_MAX_FOOTPRINT`` of them, are the
 layer's *footprint* (:func:`footprint`); a layer whose error spreads wider has none.
 From then on, layers with footprints that do not overlap are measured together, one
-replay per group and width (:func:`plan`, largest groups first), and each one's value is
+replay per group and width (:func:`plan`), and each one's value is
 the squared error inside its own footprint. The replay checks the premise again: the error outside every
 member's footprint must stay under ``1 − _COVER`` of the total, else the group's
 values are discarded and its members lose their footprints (measured alone again).
@@ -111,8 +111,7 @@ def plan(pairs: Iterable[tuple[str, int]], footprints: Mapping[str, tuple[int, .
          limit: int) -> list[list[tuple[str, int]]]:
     """The first ``limit`` replays for ``pairs``: each pair alone, except that a pair whose
     layer has a footprint joins the first group of its width whose members' footprints it
-    does not overlap. The replays that measure the most pairs go first (in the pairs' order
-    otherwise): a short run's few probes then measure as many layers as they can."""
+    does not overlap."""
     jobs: list[list[tuple[str, int]]] = []
     used: list[set[int]] = []
     for name, bits in pairs:
@@ -130,4 +129,4 @@ def plan(pairs: Iterable[tuple[str, int]], footprints: Mapping[str, tuple[int, .
             continue
         jobs.append([(name, bits)])
         used.append(set())
-    return sorted(jobs, key=lambda job: -len(job))[:max(limit, 0)]
+    return jobs[:max(limit, 0)]

@@ -187,8 +187,7 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
         if not math.isfinite(value):
             continue
         if record:
-            calibration.record(name, bits, value, closed_form(by_name[name], fallback_g2, bits), step,
-                               result.grad_sq)
+            calibration.record(name, bits, value, closed_form(by_name[name], fallback_g2, bits), step)
         result.measured.append((name, bits, value))
 
 

@@ -135,22 +135,3 @@ def test_probes_wait_for_their_time_budget() -> None:
     probes = ctl.stats()["calibration"]["probes"]
     ctl.detach()
     assert probes == 1
-
-
-def test_a_measurement_ages_with_the_gradient() -> None:
-    """NOTE [ Measurements relative to the gradient ]: kept as V / ‖g‖² of its own probe and
-    brought to the last probe's ‖g‖²."""
-    cal = Calibration(ControllerConfig())
-    a = _layer("a", 1.0)
-    p = closed_form(a, 1.0, 2)
-    cal.record_reference(1.0, None)
-    cal.record("a", 2, 0.4, p, 0, scale=1.0)
-    cal.record_reference(0.5, None)
-    cal.record("a", 2, 0.2, p, 10, scale=0.5)  # the same 0.4 of the gradient's scale
-    assert math.isclose(cal.estimate(a, 1.0, 2), 0.2, rel_tol=1e-9)  # not the mean 0.3
-    cal.record_reference(0.1, None)  # the gradient shrank 5x since: so did the estimate
-    assert math.isclose(cal.estimate(a, 1.0, 2), 0.04, rel_tol=1e-9)
-    assert math.isclose(cal.estimate(a, 1.0, 4), 0.04 * 9 / 225, rel_tol=1e-9)  # pooled, aged too
-    again = Calibration(ControllerConfig())
-    again.load_state_dict(cal.state_dict())
-    assert math.isclose(again.estimate(a, 1.0, 2), 0.04, rel_tol=1e-9)

@@ -32,8 +32,6 @@ def test_plan_groups_disjoint_footprints_of_one_width() -> None:
     assert [("c", 1)] in jobs and [("d", 1)] in jobs
     assert len(jobs) == 3  # the limit counts replays; ("a", 4) and ("e", 1) wait
     assert sum(len(j) for j in plan(pairs, prints, limit=10)) == len(pairs)
-    # one replay allowed: the group goes before the larger single layer ahead of it
-    assert plan([("d", 2), ("a", 2), ("b", 2)], prints, limit=1) == [[("a", 2), ("b", 2)]]
 
 
 def test_sound_needs_the_error_inside_the_footprints() -> None:
