@@ -18,8 +18,8 @@ squared error of the gradient is split by parameter tensor; the fewest tensors h
 ``_COVER`` (99.5%) of it, if there are at most ``_MAX_FOOTPRINT`` of them, are the
 layer's *footprint* (:func:`footprint`); a layer whose error spreads wider has none.
 From then on, layers with footprints that do not overlap are measured together, one
-replay per group and width (:func:`plan`), and each one's value is
-the squared error inside its own footprint. The replay checks the premise again: the error outside every
+replay per group and width (:func:`plan`), and each one's value is the squared error
+inside its own footprint. The replay checks the premise again: the error outside every
 member's footprint must stay under ``1 − _COVER`` of the total, else the group's
 values are discarded and its members lose their footprints (measured alone again).
 
