@@ -48,6 +48,10 @@ from torch import nn
 
 _HERE = Path(__file__).resolve().parent
 CONFIGS = ("plain", "default", "bits2", "bits4")
+JITTER = ("jitter0", "jitter1", "jitter2")
+"""Plain training with isotropic Gaussian noise added to every step's gradient (``--jitter``,
+its expected squared norm; the digit seeds the noise): how far a perturbation of the size
+memctl adds moves the result on its own. Not in the default ``--configs``."""
 TASKS = ("digits", "text")
 TARGET = "target (issue 14): validation loss within 2% of plain's at the default policy and at bits=2"
 
@@ -199,7 +203,10 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
     records: list[Any] = []
     collect = [False]
     ctl = None
-    if config != "plain":
+    jitter = torch.Generator().manual_seed(1000 + int(config[-1])) if config in JITTER else None
+    jitter_sq = float(extra.pop("jitter", 5e-4))
+    n_params = sum(p.numel() for p in model.parameters())
+    if config != "plain" and jitter is None:
         options: dict[str, Any] = {"monitor_interval_s": 0}
         if config in ("bits2", "bits4"):
             options["bits"] = float(config[-1])
@@ -226,7 +233,7 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
             packed_seen.clear()
             packed_total[0] = 0
             collect[0] = True
-        if config == "plain" and last:
+        if config in ("plain", *JITTER) and last:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = task.loss(x, y)
         else:
@@ -236,6 +243,11 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
             packed_total[0] = sum(fid._record_bytes(r, params, packed_seen) for r in records)
             records.clear()
         loss.backward()
+        if jitter is not None:
+            std = math.sqrt(jitter_sq / n_params)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.add_(torch.randn(p.shape, generator=jitter) * std)
         task.opt.step()
         task.opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
@@ -279,10 +291,11 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
 
 # -- the driver ---------------------------------------------------------------------------------
 def _run_config(task: str, config: str, steps: int, seed: int, timeout: float, threads: int,
-                observe_loss: bool, options: list[str]) -> dict[str, Any]:
+                observe_loss: bool, options: list[str], jitter: float) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", task, config, "--steps", str(steps),
            "--seeds", str(seed), "--threads", str(threads)] + (["--observe-loss"] if observe_loss else [])
     cmd += [arg for option in options for arg in ("--option", option)]
+    cmd += ["--jitter", str(jitter)]
     return dict(_fidelity().run_child(cmd, threads, timeout, {"task": task, "config": config, "seed": seed}))
 
 
@@ -340,12 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                     help="an extra Controller keyword for the memctl runs (a Python literal), "
                          "e.g. guard_bound=0.1")
+    ap.add_argument("--jitter", type=float, default=5e-4,
+                    help="expected squared norm of the gradient noise of the jitterN configurations")
     ap.add_argument("--worker", nargs=2, metavar=("TASK", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write every result to this file")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if args.worker:
         extra = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.option)}
+        extra["jitter"] = args.jitter
         result = run_worker(args.worker[0], args.worker[1], args.steps, seeds[0], args.threads,
                             args.observe_loss, extra)
         print("RESULT " + json.dumps(result))
@@ -355,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown task(s) {unknown}; known: {list(TASKS)}")
     configs = ["plain"] + [c for c in args.configs.split(",") if c and c != "plain"]
+    unknown = [c for c in configs if c not in CONFIGS + JITTER]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; known: {list(CONFIGS + JITTER)}")
     print(f"# memctl convergence benchmark, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, Python {platform.python_version()}, load {os.getloadavg()[0]:.1f}")
@@ -369,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 _progress(f"{task}: {config}, seed {seed}")
                 r = _run_config(task, config, args.steps, seed, args.timeout, args.threads, args.observe_loss,
-                                args.option)
+                                args.option, args.jitter)
                 results[(config, seed)] = r
                 everything.append(r)
                 print(row(r, results.get(("plain", seed))), flush=True)

@@ -349,6 +349,11 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         result["variance"] = variance_pairs(s["layers"])
         result["stats"] = {k: s[k] for k in ("layers", "saved_as_is", "calibration", "avg_bits") if k in s}
         result["stats"]["events"] = s.get("events", [])[-50:]
+        if config == "varcheck":
+            from variance_audit import audit
+
+            x, y = batches[-1]
+            result["audit"] = audit(ctl, lambda: loss_of(spec, model, x, y))
         ctl.detach()
     else:
         result["saved_bytes"] = sum(counter.storages.values())
@@ -390,7 +395,8 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
     record = cal.record
     seen: list[dict[str, Any]] = []
 
-    def watched(layer: str, bits: int, value: float, predicted: float, step: int) -> None:
+    def watched(layer: str, bits: int, value: float, predicted: float, step: int,
+                scale: float | None = None) -> None:
         states = [s for s in ctl._layers.values() if s.numels]
         state = ctl._layers.get(layer)
         if state is not None:
@@ -403,6 +409,15 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
 
     cal.record = watched
     return seen
+
+
+def summarise_audit(model: str, pairs: list[dict[str, Any]]) -> list[str]:
+    """The ``varcheck`` audit's line (see ``benchmarks/variance_audit.py``)."""
+    if str(Path(__file__).resolve().parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from variance_audit import summarise_audit as lines
+
+    return list(lines(model, pairs))
 
 
 def summarise_predictions(model: str, rows: dict[str, dict[str, Any]]) -> list[str]:
@@ -635,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.threads)
         for line in summarise(rows):
             print(line, flush=True)
-        for line in summarise_variance(name, rows) + summarise_predictions(name, rows):
+        audit_lines = summarise_audit(name, rows.get("varcheck", {}).get("audit") or [])
+        for line in summarise_variance(name, rows) + summarise_predictions(name, rows) + audit_lines:
             print(line, flush=True)
         if args.out:
             out_dir = Path(args.out)

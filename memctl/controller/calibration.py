@@ -20,9 +20,10 @@ the layer's gradient and range statistics:
 
     V_l(b) = V_meas(l, b) · clip(√(P_l(b) / P_meas(l, b)), 1/2, 2)        P = closed form
 
-with V_meas and P_meas running means over the last few probes (one measurement is one
-random draw: on BatchNorm inputs, whose error lands in few directions, single draws
-spread by up to 7x). The drift is damped and clipped because the closed form of a layer
+with V_meas and P_meas means over the last few probes, outliers left out (one measurement
+is one random draw: on BatchNorm inputs, whose error lands in few directions, single draws
+spread by up to 7x, and some draws are absurd: NOTE [ Robust measurements ]). The drift
+is damped and clipped because the closed form of a layer
 without parameters borrows the median output gradient, which can move the wrong way.
 
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
@@ -90,6 +91,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.outliers import robust_value
 from memctl.controller.stats import LayerState
 
 __all__ = ["Calibration", "Measurement", "closed_form"]
@@ -98,7 +100,7 @@ __all__ = ["Calibration", "Measurement", "closed_form"]
 _DEFAULT_ONE_BIT_EXCESS = 8.0
 _DRIFT_CLIP = 2.0
 _EMA = 0.5
-_WINDOW = 4
+_WINDOW = 5
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,16 @@ class Measurement:
     """One measured added variance of one layer at one bit width."""
 
     value: float
-    """Running mean of the measured added variance."""
+    """Outlier-free mean of the measured added variance over the last ``_WINDOW`` probes
+    (NOTE [ Robust measurements ])."""
     closed_form: float
-    """Running mean of the closed form at the same probes."""
+    """Mean of the closed form at the same probes."""
     step: int
     """Step of the last measurement."""
     count: int = 1
+    draws: tuple[float, ...] = ()
+    """The last ``_WINDOW`` probes' values (oldest first)."""
+    closed_draws: tuple[float, ...] = ()
 
 
 def closed_form(state: LayerState, fallback_g2: float, bits: float) -> float:
@@ -142,6 +148,11 @@ class Calibration:
         self.complete: bool | None = None
         """Whether every layer was measured, as the last probe saw it (None before one)."""
         self.probes = 0
+        self.footprints: dict[str, tuple[int, ...]] = {}
+        """Per layer, the parameters (indices) its compression error lands in; empty when it
+        spreads wider (NOTE [ Several layers per replay ])."""
+        self.unsafe: dict[str, int] = {}
+        """Per layer, the widest bit width that produced an absurd draw (NOTE [ Robust measurements ])."""
         self._disabled = False
 
     @property
@@ -154,18 +165,21 @@ class Calibration:
 
     # -- measurements ---------------------------------------------------------------
     def record(self, layer: str, bits: int, value: float, predicted: float, step: int) -> None:
-        """Fold one measurement into the layer's running mean (window of ``_WINDOW`` probes)."""
+        """Fold one probe's value into the layer's robust mean over the last ``_WINDOW`` probes
+        (NOTE [ Robust measurements ]); a non-finite value is not a measurement."""
         if not (math.isfinite(value) and value >= 0):
             return
         mine = self.measured.setdefault(layer, {})
         old = mine.get(bits)
-        if old is None:
-            mine[bits] = Measurement(value, predicted, step, 1)
-            return
-        n = min(old.count + 1, _WINDOW)
-        w = 1.0 / n
-        mine[bits] = Measurement((1 - w) * old.value + w * value, (1 - w) * old.closed_form + w * predicted,
-                                 step, old.count + 1)
+        draws = ((old.draws or (old.value,)) if old is not None else ()) + (value,)
+        closed = ((old.closed_draws or (old.closed_form,)) if old is not None else ()) + (predicted,)
+        draws, closed = draws[-_WINDOW:], closed[-_WINDOW:]
+        mine[bits] = Measurement(robust_value(draws), sum(closed) / len(closed), step,
+                                 (old.count if old is not None else 0) + 1, draws, closed)
+
+    def mark_unsafe(self, layer: str, bits: int) -> None:
+        """Remember that ``layer`` at ``bits`` produced an absurd draw (NOTE [ Robust measurements ])."""
+        self.unsafe[layer] = max(self.unsafe.get(layer, 0), bits)
 
     def record_reference(self, grad_sq: float | None, noise: float | None) -> None:
         if grad_sq is not None and math.isfinite(grad_sq):
@@ -236,14 +250,19 @@ class Calibration:
         self.width_factors[bits] = _ema(self.width_factors.get(bits), factor)
 
     def floor(self, state: LayerState) -> float | None:
-        """The lowest bit width the allocation may give ``state`` (None: no floor)."""
+        """The lowest bit width the allocation may give ``state`` (None: no floor): 2 bits
+        until 1 bit is measured, and above any width that produced an absurd draw."""
         if not self.enabled:
             return None
         choices = self._config.bit_choices
+        floors: list[float] = []
         safe = [b for b in choices if b >= 2]
-        if not safe or 1 not in choices or 1 in self.measured.get(state.name, {}):
-            return None
-        return float(min(safe))
+        if safe and 1 in choices and 1 not in self.measured.get(state.name, {}):
+            floors.append(float(min(safe)))
+        bad = self.unsafe.get(state.name)
+        if bad is not None:
+            floors.append(float(next((b for b in sorted(choices) if b > bad), KEEP_BITS)))
+        return max(floors) if floors else None
 
     def one_bit_excess(self) -> float:
         """Largest (1-bit factor) / (2-bit factor) over layers measured at both."""
@@ -334,8 +353,10 @@ class Calibration:
 
     def state_dict(self) -> dict[str, object]:
         return {
-            "measured": {n: {str(b): [m.value, m.closed_form, m.step, m.count] for b, m in mine.items()}
+            "measured": {n: {str(b): [m.value, m.closed_form, m.step, m.count, list(m.draws),
+                                      list(m.closed_draws)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
+            "unsafe": dict(self.unsafe),
             "grad_sq": self.grad_sq,
             "grad_noise": self.grad_noise,
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
@@ -347,9 +368,13 @@ class Calibration:
         if isinstance(measured, dict):
             for name, mine in measured.items():
                 self.measured[str(name)] = {
-                    int(b): Measurement(float(v[0]), float(v[1]), int(v[2]), int(v[3]))
+                    int(b): Measurement(float(v[0]), float(v[1]), int(v[2]), int(v[3]),
+                                        tuple(float(x) for x in (v[4] if len(v) > 4 else ())),
+                                        tuple(float(x) for x in (v[5] if len(v) > 5 else ())))
                     for b, v in dict(mine).items()
                 }
+        unsafe = state.get("unsafe") or {}
+        self.unsafe = {str(k): int(v) for k, v in unsafe.items()} if isinstance(unsafe, dict) else {}
         g2, noise = state.get("grad_sq"), state.get("grad_noise")
         self.grad_sq = float(g2) if isinstance(g2, int | float) else None
         self.grad_noise = float(noise) if isinstance(noise, int | float) else None

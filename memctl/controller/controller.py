@@ -503,8 +503,15 @@ class Controller:
                 self._replaying = False
                 self._tracker.reset()
             self._train_s = 0.0
+            if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
+                self._event("calibration_outlier", "absurd added variance measured for "
+                            + ", ".join(f"{n} at {b} bits" for n, b in result.unsafe)
+                            + "; those widths are kept from those layers")
             if result is not None and self.config.guard:
                 fired = self._noise_guard(result.added, layers, fallback_g2)
+                if not fired and result.tail:
+                    fired = self._raise_bits(layers, fallback_g2, 1.0, "a replay of the allocation in use "
+                                             "gave an absurd gradient (NOTE [ Robust measurements ])")
         if self.config.guard and not fired and self._guard.loss_turning(self._step):
             fired = self._raise_bits(layers, fallback_g2, 0.5, "the loss turned back up against its history")
         self._guard_fired = fired

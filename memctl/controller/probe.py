@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,8 +11,10 @@ import torch
 
 from memctl.controller.calibration import Calibration, closed_form
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
+from memctl.controller.grouping import footprint, inside, plan, prior_footprints, shares, sound
+from memctl.controller.outliers import REDRAWS, absurd, robust_draws, robust_value, suspect
 from memctl.controller.policy import error_bound_for
-from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, only
+from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, several
 from memctl.controller.stats import LayerState
 
 __all__ = ["ProbeResult", "run_probe"]
@@ -28,6 +31,14 @@ class ProbeResult:
     """Added variance of the allocation in use (None when nothing was compressed)."""
     predicted: float | None = None
     """The calibrated model's prediction of ``added``."""
+    tail: bool = False
+    """Whether a draw of the allocation in use was absurd (NOTE [ Robust measurements ])."""
+    unsafe: list[tuple[str, int]] = field(default_factory=list)
+    """(layer, bits) pairs that produced an absurd draw."""
+    redraws: int = 0
+    """Replays re-run because their first draw was suspect."""
+    grouped: int = 0
+    """Replays that measured several layers at once (NOTE [ Several layers per replay ])."""
     replays: int = 0
     seconds: float = 0.0
 
@@ -50,10 +61,23 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         if exact_g is None:
             return result
         result.grad_sq = float(exact_g.square().sum())
+        scale = max(result.grad_sq, calibration.grad_noise or 0.0)
+
+        def distance(choice: ChoiceFn, salt: int) -> Callable[[int], float | None]:
+            def draw(i: int) -> float | None:
+                g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice,
+                                                           salt + 7919 * (i + 1)))
+                result.redraws += 1
+                return None if g is None else float((g - exact_g).square().sum())
+            return draw
+
         used = _timed(calibration, result, lambda: replayer.gradient(model, capture, in_use, seed + 1))
-        if used is not None:
-            result.added = float((used - exact_g).square().sum())
+        if used is not None:  # NOTE [ Robust measurements ]
+            draws = robust_draws(float((used - exact_g).square().sum()), distance(in_use, seed + 1),
+                                 scale, None)
             del used
+            result.tail = any(absurd(d, scale) for d in draws)
+            result.added = robust_value(draws)
             result.predicted = sum(
                 calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers
             )
@@ -66,26 +90,30 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                 result.noise = float((ga - gb).square().sum())
         if record:
             calibration.record_reference(result.grad_sq, result.noise)
+        scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
         limit = calibration.allowance(train_s, result.replays + 1)
-        for name, bits in calibration.schedule(layers, limit):
-            s = by_name[name]
-            eb = error_bound_for(s, bits) if config.codec is CodecMode.ERRORBOUND else None
-            choice = only(name, float(bits), eb)
-            salt = seed + 7 + result.replays
-            g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
-            if g is None:
-                continue
-            value = float((g - exact_g).square().sum())
-            if record:
-                calibration.record(name, bits, value, closed_form(s, fallback_g2, bits), step)
-            result.measured.append((name, bits, value))
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
+        # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
+        prints = {**prior_footprints(model, [n for n in by_name if n not in calibration.footprints]),
+                  **calibration.footprints} if config.calibration_groups else {}
+        for job in plan(everything, prints, limit):
+            _measure(job, by_name, calibration, result, config, fallback_g2, step, scale, sizes, prints,
+                     lambda choice, salt: _distance(replayer, model, capture, choice, salt, exact_g,
+                                                    calibration, result),
+                     seed + 7 + result.replays, record)
         if calibration.unmeasured(layers):  # NOTE [ Unmeasured layers ]: after the layer measurements
             for bits in sorted(b for b in config.bit_choices if b >= 2):
-                g = _timed(calibration, result, _replay_fn(replayer, model, capture,
-                                                           _uniform(by_name, bits, config), seed + 5 + bits))
+                uniform = _uniform(by_name, bits, config)
+                g = _timed(calibration, result,
+                           _replay_fn(replayer, model, capture, uniform, seed + 5 + bits))
                 if g is not None:
-                    calibration.fit_width(bits, float((g - exact_g).square().sum()), layers, fallback_g2)
+                    expected = sum(calibration.estimate(s, fallback_g2, bits) for s in layers) \
+                        if bits in calibration.width_factors else None
+                    draws = robust_draws(float((g - exact_g).square().sum()),
+                                         distance(uniform, seed + 5 + bits), scale, expected)
+                    calibration.fit_width(bits, robust_value(draws), layers, fallback_g2)
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
@@ -97,6 +125,77 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         calibration.added = result.added
         calibration.added_predicted = result.predicted
     return result
+
+
+def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibration: Calibration,
+             result: ProbeResult, config: ControllerConfig, fallback_g2: float, step: int, scale: float,
+             sizes: list[int], footprints: dict[str, tuple[int, ...]],
+             draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int, record: bool) -> None:
+    """Measure one replay's layers: one alone, or a group whose errors stay in disjoint
+    footprints (NOTE [ Several layers per replay ]); suspect draws re-probed (NOTE [ Robust
+    measurements ])."""
+    wanted: dict[str, tuple[float, float | None]] = {}
+    for name, bits in job:
+        eb = error_bound_for(by_name[name], bits) if config.codec is CodecMode.ERRORBOUND else None
+        wanted[name] = (float(bits), eb)
+    choice = several(wanted)
+    prints = {name: footprints.get(name, ()) for name, _ in job}
+    grouped = any(prints.values())
+    delta = draw(choice, salt)
+    if delta is None:
+        return
+    parts = shares(delta, sizes)
+    total = float(delta.square().sum())
+    if grouped and not (parts and sound(parts, prints.values())):
+        # the premise failed (or a non-finite draw cannot be told apart): measure alone again
+        for name in prints:
+            calibration.footprints[name] = footprints[name] = ()
+        return
+    for name, fp in prints.items():  # a prior that held is kept as the layer's footprint
+        if fp and grouped:
+            calibration.footprints.setdefault(name, fp)
+
+    def values(parts: list[float], total: float) -> dict[str, float]:
+        if not grouped:
+            return dict.fromkeys(prints, total)
+        return {n: inside(parts, fp) for n, fp in prints.items()}
+
+    result.grouped += len(job) > 1
+    first = values(parts, total)
+    draws = {n: [v] for n, v in first.items()}
+    expected = {n: calibration.estimate(by_name[n], fallback_g2, b) if b in calibration.measured.get(n, {})
+                else None for n, b in job}
+    if any(suspect(v, scale, expected[n]) for n, v in first.items()):
+        for i in range(REDRAWS):
+            again = draw(choice, salt + 7919 * (i + 1))
+            result.redraws += 1
+            if again is None:
+                break
+            again_parts = shares(again, sizes)
+            if grouped and not (again_parts and sound(again_parts, prints.values())):
+                break
+            for n, v in values(again_parts, float(again.square().sum())).items():
+                draws[n].append(v)
+    elif not grouped and parts:
+        calibration.footprints[job[0][0]] = footprint(parts)
+    for name, bits in job:
+        value = robust_value(draws[name])
+        if any(absurd(d, scale) for d in draws[name]):
+            result.unsafe.append((name, bits))
+            if record:
+                calibration.mark_unsafe(name, bits)
+        if not math.isfinite(value):
+            continue
+        if record:
+            calibration.record(name, bits, value, closed_form(by_name[name], fallback_g2, bits), step)
+        result.measured.append((name, bits, value))
+
+
+def _distance(replayer: Replayer, model: torch.nn.Module, capture: Capture, choice: ChoiceFn, salt: int,
+              exact_g: torch.Tensor, calibration: Calibration, result: ProbeResult) -> torch.Tensor | None:
+    """The gradient difference of one replay from the exact one (None when it cannot run)."""
+    g = _timed(calibration, result, _replay_fn(replayer, model, capture, choice, salt))
+    return None if g is None else g - exact_g
 
 
 def _uniform(by_name: dict[str, LayerState], bits: int, config: ControllerConfig) -> ChoiceFn:

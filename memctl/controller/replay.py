@@ -31,7 +31,7 @@ from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer
 
-__all__ = ["Capture", "Replayer", "flatten_tensors"]
+__all__ = ["Capture", "Replayer", "exact", "flatten_tensors", "only", "several"]
 
 ChoiceFn = Callable[[str], tuple[float, float | None]]
 
@@ -144,6 +144,16 @@ def only(layer: str, bits: float, error_bound: float | None) -> ChoiceFn:
 
     def choice(name: str) -> tuple[float, float | None]:
         return (bits, error_bound) if name == layer else (float(KEEP_BITS), None)
+
+    return choice
+
+
+def several(choices: Mapping[str, tuple[float, float | None]]) -> ChoiceFn:
+    """A choice function: each layer of ``choices`` at its (bits, error bound), every other exact."""
+    wanted = dict(choices)
+
+    def choice(name: str) -> tuple[float, float | None]:
+        return wanted.get(name, (float(KEEP_BITS), None))
 
     return choice
 

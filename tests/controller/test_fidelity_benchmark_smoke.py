@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,20 @@ def test_fidelity_benchmark_runs_a_library_model() -> None:
     lines = _run("gpt2")
     bits2 = _row(lines, "gpt2", "bits2")
     assert "error" not in bits2 and float(bits2[3]) > 0.0
+
+
+def test_fidelity_benchmark_audits_the_variance_model() -> None:
+    """``--configs varcheck`` ends with the audit line: predictions against fresh replays."""
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", "cnn", "--steps", "2", "--configs", "varcheck", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    audit = [line for line in out.stdout.splitlines() if line.strip().startswith("audit cnn:")]
+    assert len(audit) == 1, out.stdout
+    found = re.search(r"within 2x: (\d+)/(\d+) ", audit[0])
+    assert found is not None, audit[0]
+    total = int(found.group(2))
+    assert total > 0 and total % 4 == 0, audit[0]  # every audited layer at each of the 4 widths
