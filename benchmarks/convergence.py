@@ -212,16 +212,7 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
             options["bits"] = float(config[-1])
         options.update(extra)
         ctl = memctl.Controller(model, task.opt, **options)
-        pack = ctl._packer.pack
-
-        def counting_pack(t: torch.Tensor) -> Any:
-            saved = pack(t)
-            if collect[0]:
-                records.append(saved)
-            return saved
-
-        ctl._packer.pack = counting_pack  # type: ignore[method-assign]
-        ctl._scope._pack = counting_pack
+        fid._collect_records(ctl, records, collect)
     losses: list[float] = []
     curve: list[tuple[int, float]] = []
     bits_curve: list[tuple[int, float]] = []

@@ -241,6 +241,21 @@ class _PlainCounter:
         return t
 
 
+def _collect_records(ctl: Any, records: list[Any], collect: list[bool]) -> None:
+    """Wrap ``ctl``'s pack hook so that every record it returns while ``collect[0]`` is set
+    is appended to ``records`` (read after the forward: a record can grow after its pack)."""
+    pack = ctl._packer.pack
+
+    def counting_pack(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if collect[0]:
+            records.append(saved)
+        return saved
+
+    ctl._packer.pack = counting_pack
+    ctl._scope._pack = counting_pack
+
+
 def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     """Real bytes held by one record memctl's pack hook returned (each record once)."""
     saved = getattr(saved, "alias_of", saved)  # the same record under another shape
@@ -306,16 +321,7 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         ctl = memctl.Controller(model, opt, **options)
         if config == "varcheck":
             result["predictions"] = _watch_predictions(ctl)
-        pack = ctl._packer.pack
-
-        def counting_pack(t: torch.Tensor) -> Any:
-            saved = pack(t)
-            if collect[0]:
-                records.append(saved)
-            return saved
-
-        ctl._packer.pack = counting_pack  # type: ignore[method-assign]
-        ctl._scope._pack = counting_pack
+        _collect_records(ctl, records, collect)
     losses: list[float] = []
     t0 = time.perf_counter()
     for i, (x, y) in enumerate(batches):
