@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -108,13 +109,8 @@ def test_explicit_attention_probabilities_are_floored() -> None:
     assert _stored_bits(saved) == 8
 
 
-def test_explicit_attention_matmul_operands_are_floored() -> None:
-    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
-    w_in = torch.randn(96, 32, generator=g, requires_grad=True)
-    w_out = torch.randn(32, 32, generator=g, requires_grad=True)
-    packer = _packer()
+def _recording(packer: Packer) -> tuple[Callable[[torch.Tensor], Any], list[tuple[Any, torch.Tensor]]]:
+    """``packer.pack``, also keeping every (record, tensor) pair it saw, and that list."""
     records: list[tuple[Any, torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> Any:
@@ -122,6 +118,17 @@ def test_explicit_attention_matmul_operands_are_floored() -> None:
         records.append((saved, t))
         return saved
 
+    return pack, records
+
+
+def test_explicit_attention_matmul_operands_are_floored() -> None:
+    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
+    w_in = torch.randn(96, 32, generator=g, requires_grad=True)
+    w_out = torch.randn(32, 32, generator=g, requires_grad=True)
+    packer = _packer()
+    pack, records = _recording(packer)
     with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
         packer.set_parameters(nn.Module())
         q, k, v = (z.view(2, 16, 4, 8).transpose(1, 2) for z in F.linear(x, w_in).chunk(3, dim=-1))
@@ -239,13 +246,7 @@ def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
     gain = torch.ones(64, requires_grad=True)
     w = torch.randn(64, 64, generator=g, requires_grad=True)
     packer = _packer()
-    records: list[tuple[Any, torch.Tensor]] = []
-
-    def pack(t: torch.Tensor) -> Any:
-        saved = packer.pack(t)
-        records.append((saved, t))
-        return saved
-
+    pack, records = _recording(packer)
     with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
         packer.set_parameters(nn.Module())
         h = x * 2.0  # the residual stream
