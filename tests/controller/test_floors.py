@@ -16,16 +16,11 @@ from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Alias, Packer, Saved
 from memctl.errors import ConfigError
+from tests.controller.packers import strict_packer
 
 
 def _packer(**config: Any) -> Packer:
-    tracker = ModuleTracker()
-    tracker.model_depth = 1
-
-    def fail(layer: str, exc: BaseException) -> None:
-        raise AssertionError(f"codec fallback in {layer}: {exc}")
-
-    return Packer(ControllerConfig(min_numel=0, **config), tracker, lambda layer: (2.0, None), fail)
+    return strict_packer(ControllerConfig(min_numel=0, **config))
 
 
 def _stored_bits(saved: Any) -> int | None:

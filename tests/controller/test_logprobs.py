@@ -9,20 +9,14 @@ import torch.nn.functional as F
 import memctl
 from memctl.codecs import get
 from memctl.controller.config import ControllerConfig
-from memctl.controller.hooks import ModuleTracker
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs
 from memctl.controller.packing import Packer, Saved
 from memctl.errors import ConfigError
+from tests.controller.packers import strict_packer
 
 
 def _packer(**config: object) -> Packer:
-    tracker = ModuleTracker()
-    tracker.model_depth = 1
-
-    def fail(layer: str, exc: BaseException) -> None:
-        raise AssertionError(f"codec fallback in {layer}: {exc}")
-
-    return Packer(ControllerConfig(**config), tracker, lambda layer: (2.0, None), fail)  # type: ignore[arg-type]
+    return strict_packer(ControllerConfig(**config))  # type: ignore[arg-type]
 
 
 def _logits(rows: int = 64, vocab: int = 512, seed: int = 0, scale: float = 6.0) -> torch.Tensor:

@@ -11,19 +11,13 @@ import torch
 from memctl.codecs import get
 from memctl.codecs.base import Packed, mask_floor
 from memctl.controller.config import ControllerConfig
-from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer, Saved
 from memctl.controller.regions import RELU
+from tests.controller.packers import strict_packer
 
 
 def _packer() -> Packer:
-    tracker = ModuleTracker()
-    tracker.model_depth = 1  # inside the model's forward: compressed, not kept exact
-
-    def fail(layer: str, exc: BaseException) -> None:
-        raise AssertionError(f"codec fallback in {layer}: {exc}")
-
-    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), fail)
+    return strict_packer(ControllerConfig(min_numel=0))
 
 
 def test_relu_output_unpacks_as_decode_then_mask() -> None:

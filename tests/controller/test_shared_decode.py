@@ -10,19 +10,13 @@ import torch
 from torch import nn
 
 from memctl.controller.config import ControllerConfig
-from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer, Saved
 from memctl.controller.shared_decode import SharedDecode
+from tests.controller.packers import strict_packer
 
 
 def _packer() -> Packer:
-    tracker = ModuleTracker()
-    tracker.model_depth = 1  # inside the model's forward: compressed, not kept exact
-
-    def fail(layer: str, exc: BaseException) -> None:
-        raise AssertionError(f"codec fallback in {layer}: {exc}")
-
-    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), fail)
+    return strict_packer(ControllerConfig(min_numel=0))
 
 
 def _count_decodes(packer: Packer, monkeypatch: pytest.MonkeyPatch) -> list[int]:
