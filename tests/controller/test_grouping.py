@@ -53,12 +53,14 @@ def _probes(monkeypatch: pytest.MonkeyPatch) -> list[ProbeResult]:
     return results
 
 
-def _controller(**kw: Any) -> memctl.Controller:
+def _controller(groups: bool | None = True, **kw: Any) -> memctl.Controller:
+    """A controller on ``NoisyNet``; ``groups=None`` leaves ``calibration_groups`` at its default."""
     torch.manual_seed(0)
     model = NoisyNet(4.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    if groups is not None:
+        kw["calibration_groups"] = groups
     return memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                             calibration_groups=True,
                              calibration_fraction=1000.0, calibration_max_replays=4, **kw)
 
 
@@ -145,11 +147,7 @@ def test_a_prior_footprint_that_does_not_hold_is_dropped(monkeypatch: pytest.Mon
 def test_grouping_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without ``calibration_groups=True`` every replay measures one layer."""
     results = _probes(monkeypatch)
-    torch.manual_seed(0)
-    model = NoisyNet(4.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                            calibration_fraction=1000.0, calibration_max_replays=4)
+    ctl = _controller(groups=None)
     _steps(ctl, 3)
     ctl.detach()
     assert results and sum(r.grouped for r in results) == 0
