@@ -122,37 +122,78 @@ def torch_stream(device: torch.device) -> Any:
 
 
 def is_cuda_compile_error(exc: BaseException) -> bool:
-    """True when ``exc`` says a CUDA kernel could not be compiled (missing NVVM, NVRTC, libdevice).
+    """True when ``exc`` says the CUDA kernels cannot be built here, so the reference must run.
 
     NOTE [ CUDA fallback ]
     Plain ``numba-cuda`` runs kernels in the simulator but cannot compile them for a real
-    GPU without its ``cu12``/``cu13`` extra (or a CUDA toolkit). A codec that meets one of
-    these errors falls back to its PyTorch reference on the GPU (same bytes, slower) and
-    warns once per codec instance, naming :data:`CUDA_EXTRA_HINT`. Any other error (a bug,
-    an out-of-memory) propagates.
+    GPU without its ``cu12``/``cu13`` extra (or a CUDA toolkit). Nor can a ``numba-cuda``
+    that breaks on the installed NumPy: numba-cuda 0.30.4 fails inside its compiler with
+    ``module 'numpy' has no attribute 'row_stack'`` under NumPy 2.5, seen on an H200
+    machine. A codec that meets a missing compiler library, or any error raised while
+    Numba compiles (not while a compiled kernel runs), falls back to its PyTorch reference
+    on the GPU (same bytes, slower) and warns once per codec instance, naming the versions
+    and :data:`CUDA_EXTRA_HINT`. Errors of the driver (out of memory, a failed launch)
+    and errors outside Numba propagate: the reference would meet them too, or they are bugs.
     """
+    from numba.cuda.cudadrv import driver as cuda_driver
     from numba.cuda.cudadrv import error as cuda_error
 
+    driver_names = ("CudaAPIError", "CudaDriverError")
+    found = (getattr(cuda_driver, n, None) for n in driver_names)
+    driver_errors = tuple(c for c in found if isinstance(c, type))
+    if driver_errors and isinstance(exc, driver_errors):
+        return False
     names = ("NvvmSupportError", "NvvmError", "NvrtcError", "NvrtcSupportError", "CCSupportError")
     compile_errors = tuple(c for c in (getattr(cuda_error, n, None) for n in names) if isinstance(c, type))
     if compile_errors and isinstance(exc, compile_errors):
         return True
     text = str(exc).lower()
-    return isinstance(exc, (OSError, RuntimeError, ImportError)) and any(
+    if isinstance(exc, (OSError, RuntimeError, ImportError)) and any(
         word in text for word in ("libdevice", "nvvm", "nvrtc", "libcudart", "cuda_runtime.h")
-    )
+    ):
+        return True
+    return _raised_while_compiling(exc)
+
+
+# Numba's functions that compile a kernel for the argument types of a launch.
+_COMPILE_FUNCTIONS = frozenset({"compile", "compile_cuda", "compile_extra", "_compile_for_args",
+                                "compile_ptx"})
+
+
+def _raised_while_compiling(exc: BaseException) -> bool:
+    """True when ``exc``'s traceback passes through one of Numba's compile functions."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name in _COMPILE_FUNCTIONS and "/numba/" in code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for dist in ("numba-cuda", "numba", "numpy"):
+        try:
+            found.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            continue
+    return ", ".join(found)
 
 
 def warn_cuda_fallback(codec: str, exc: BaseException) -> None:
-    """Re-raise ``exc`` unless it is a CUDA compile failure; then warn (NOTE [ CUDA fallback ]).
+    """Re-raise ``exc`` unless the CUDA kernels cannot be built; then warn (NOTE [ CUDA fallback ]).
 
     :meth:`CudaFallback.run` calls it and runs the reference from then on.
     """
     if not is_cuda_compile_error(exc):
         raise exc
     warnings.warn(
-        f"{codec!r}: the CUDA kernels could not be compiled ({type(exc).__name__}: {exc}); "
-        f"using the PyTorch reference on the GPU instead (same bytes, slower). {CUDA_EXTRA_HINT}",
+        f"{codec!r}: the CUDA kernels could not be compiled ({type(exc).__name__}: {exc}; {_versions()}); "
+        f"using the PyTorch reference on the GPU instead (same bytes, slower). {CUDA_EXTRA_HINT}; "
+        "if the error names NumPy, a NumPy this numba-cuda supports (or a newer numba-cuda)",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -107,6 +107,9 @@ _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackwar
                     "TBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0",
                     "AsStridedBackward0", "CloneBackward0"})
 _WALK_NODES = 16
+# Consumers that do not release a recent record (NOTE [ Releasing inputs early ] in regions.py):
+# views pass it on, and a matrix product may be an attention's, known once its softmax shows up.
+_HOLDING = _VIEWS | {"BmmBackward0", "MmBackward0"}
 
 # An explicit attention: softmax(scale · q @ kᵀ (+ mask)) @ v (NOTE [ Bit floors ]).
 _SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
@@ -270,10 +273,18 @@ class FloorTracker:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
                     found += self._inputs_of(matmul, self._floors[ATTENTION], False)
+            if op is None and name not in _HOLDING and self._recent and not _is_rms_norm(node):
+                self._release(node)  # NOTE [ Releasing inputs early ] in regions.py
             step = 0 if name in _VIEWS else 1
             if depth + step <= _WALK_DEPTH:
                 frontier.extend((e[0], depth + step) for e in node.next_functions if e[0] is not None)
         return found
+
+    def _release(self, node: Any) -> None:
+        """Drop the recent records ``node`` (an op with no floor) consumed."""
+        keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
+        for r in [r for r in self._recent.values() if r.key is not None and keys.get(r.key) is r.node]:
+            del self._recent[r.order]
 
     def _inputs_of(self, node: Any, bits: int | None, extras_exact: bool) -> list[Raise]:
         keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
