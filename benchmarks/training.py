@@ -16,18 +16,24 @@ process:
 - ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu``; on a CPU it only copies each saved
   tensor (there is nowhere to offload to), so it shows that copy's cost and saves nothing.
 
-Memory is measured from outside memctl: on the CPU, the growth of the process's resident
-set (``/proc/self/statm``) from just before the forward pass to just before the backward
-pass, with ``MALLOC_MMAP_THRESHOLD_=65536`` in the child's environment so that freed
-tensors leave the resident set (and glibc's ``malloc_trim(0)`` before each forward, outside
-the timed region, for the small blocks below that threshold); on a GPU,
-``torch.cuda.max_memory_allocated`` during the forward minus the memory allocated before it.
+Memory is measured from outside memctl, as two figures. *Held*: what the forward leaves
+allocated for the backward. *Peak*: the most allocated at any moment of the forward, which
+is what runs out first: it also holds the forward's working set, the tensors an op reads
+while it runs, which no saved-tensor hook can shrink. On the CPU, from the process's
+resident set (``/proc/self/statm``; the peak from ``VmHWM`` in ``/proc/self/status``,
+restarted before each forward through ``/proc/self/clear_refs``), from just before the
+forward pass to just before the backward pass, with ``MALLOC_MMAP_THRESHOLD_=65536`` in the
+child's environment so that freed tensors leave the resident set (and glibc's
+``malloc_trim(0)`` before each forward, outside the timed region, for the small blocks below
+that threshold); on a GPU, ``torch.cuda.memory_allocated`` after the forward and
+``torch.cuda.max_memory_allocated`` during it, each minus the memory allocated before it.
+``--scale`` multiplies every batch size: a GPU needs larger batches than a CPU to be busy.
 Step time is the median over the measured steps after warm-up (forward, backward and
 optimizer step); loss is the last step's.
 
     python benchmarks/training.py                    # all models and methods, CPU
     python benchmarks/training.py --quick            # fewer steps
-    python benchmarks/training.py --device cuda --models cnn,transformer
+    python benchmarks/training.py --device cuda --models cnn,transformer --scale 8
 """
 
 from __future__ import annotations
@@ -111,8 +117,11 @@ class _Last(nn.Module):
         return self.fc(x[:, -1])  # type: ignore[no-any-return]
 
 
-def build(name: str) -> tuple[_Chain, Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
-    """The model and a function drawing one batch ``(input, target)``."""
+Batch = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build(name: str, scale: int = 1) -> tuple[_Chain, Batch]:
+    """The model and a function drawing one batch ``(input, target)``, of ``scale`` times the batch size."""
     if name == "cnn":
         c = 32
         model = _Chain(
@@ -120,8 +129,8 @@ def build(name: str) -> tuple[_Chain, Callable[[torch.Generator], tuple[torch.Te
             [_Block(c) for _ in range(4)],
             nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10)),
         )
-        return model, lambda g: (torch.randn(32, 3, 48, 48, generator=g),
-                                 torch.randint(0, 10, (32,), generator=g))
+        return model, lambda g: (torch.randn(32 * scale, 3, 48, 48, generator=g),
+                                 torch.randint(0, 10, (32 * scale,), generator=g))
     if name == "transformer":
         d, seq, vocab = 256, 256, 1000
         model = _Chain(
@@ -129,20 +138,21 @@ def build(name: str) -> tuple[_Chain, Callable[[torch.Generator], tuple[torch.Te
             [_CausalLayer(d, seq) for _ in range(4)],
             nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab), nn.Flatten(0, 1)),
         )
-        return model, lambda g: (torch.randint(0, vocab, (16, seq), generator=g),
-                                 torch.randint(0, vocab, (16 * seq,), generator=g))
+        return model, lambda g: (torch.randint(0, vocab, (16 * scale, seq), generator=g),
+                                 torch.randint(0, vocab, (16 * scale * seq,), generator=g))
     if name == "gru":
         d, seq = 128, 48
         model = _Chain(nn.Linear(32, d), [_GRULayer(d, d) for _ in range(2)], _Last(d, 10))
-        return model, lambda g: (torch.randn(32, seq, 32, generator=g),
-                                 torch.randint(0, 10, (32,), generator=g))
+        return model, lambda g: (torch.randn(32 * scale, seq, 32, generator=g),
+                                 torch.randint(0, 10, (32 * scale,), generator=g))
     if name == "mlp":
         model = _Chain(
             nn.Flatten(),
             [nn.Sequential(nn.Linear(784 if i == 0 else 512, 512), nn.ReLU()) for i in range(2)],
             nn.Linear(512, 10),
         )
-        return model, lambda g: (torch.randn(64, 784, generator=g), torch.randint(0, 10, (64,), generator=g))
+        return model, lambda g: (torch.randn(64 * scale, 784, generator=g),
+                                 torch.randint(0, 10, (64 * scale,), generator=g))
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
@@ -159,6 +169,24 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's peak resident set (``VmHWM``) from the current one (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(b.numel() * b.element_size() for b in model.buffers())
@@ -170,7 +198,7 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model, batch = build(args.model)
+    model, batch = build(args.model, args.scale)
     model.to(device)
     model.checkpointed = args.method == "checkpoint"
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -185,6 +213,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     loss_fn = nn.CrossEntropyLoss()
     times: list[float] = []
     held: list[int] = []
+    peaks: list[int] = []
     loss = float("nan")
     cuda = device.type == "cuda"
     for step in range(args.warmup + args.steps):
@@ -196,6 +225,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         elif args.phase == "memory":
             _trim()
             base = _rss()
+            peaked = _reset_peak_rss()
         start = time.perf_counter()
         if args.method == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=cuda):
@@ -204,11 +234,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
             out = loss_fn(model(x), y)
         if cuda:
             torch.cuda.synchronize()
-            grown = torch.cuda.max_memory_allocated() - base
+            grown = torch.cuda.memory_allocated() - base
+            peak = torch.cuda.max_memory_allocated() - base
         elif args.phase == "memory":
             grown = _rss() - base
+            peak = _peak_rss() - base if peaked else 0
         else:
-            grown = 0
+            grown = peak = 0
         out.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -219,11 +251,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         if step >= args.warmup:
             times.append(elapsed)
             held.append(grown)
+            peaks.append(peak)
     result = {
         "model": args.model,
         "method": args.method,
         "step_ms": statistics.median(times) * 1e3,
         "held_bytes": statistics.median(held),
+        "peak_bytes": statistics.median(peaks),
         "loss": loss,
         "state_bytes": _state_bytes(model, optimizer),
     }
@@ -246,13 +280,14 @@ def _spawn(args: argparse.Namespace, model: str, method: str, budget: int | None
     if "error" in held:
         return held
     timed["held_bytes"], timed["state_bytes"] = held["held_bytes"], held["state_bytes"]
+    timed["peak_bytes"] = held["peak_bytes"]
     return timed
 
 
 def _run(args: argparse.Namespace, model: str, method: str, budget: int | None, phase: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--method", method,
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--phase", "memory" if args.device.startswith("cuda") else phase]
+           "--phase", "memory" if args.device.startswith("cuda") else phase, "--scale", str(args.scale)]
     if budget is not None:
         cmd += ["--budget-bytes", str(budget)]
     env = dict(os.environ)
@@ -272,6 +307,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="3 warm-up and 5 measured steps")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="batch sizes times this (a GPU needs a larger batch than a CPU to be busy)")
     parser.add_argument("--budget-fraction", type=float, default=0.125,
                         help="memctl-budget: activation share of plain's held memory (default 1/8)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -290,10 +327,14 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     if "memctl-budget" in methods and "plain" not in methods:
         methods.insert(0, "plain")
-    print(f"device {args.device}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-          f"{args.warmup} warm-up + {args.steps} measured steps, load {os.getloadavg()[0]:.2f}")
+    if args.scale < 1:
+        raise SystemExit(f"--scale {args.scale}: give a whole number >= 1")
+    gpu = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
+    print(f"device {args.device}{gpu}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"{args.warmup} warm-up + {args.steps} measured steps, batch x{args.scale}, "
+          f"load {os.getloadavg()[0]:.2f}")
     print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'held MiB':>9} {'less':>7} "
-          f"{'loss':>8}")
+          f"{'peak MiB':>9} {'less':>7} {'loss':>8}")
     for model in [m for m in args.models.split(",") if m]:
         plain: dict[str, Any] | None = None
         for method in methods:
@@ -309,11 +350,19 @@ def main() -> None:
             if method == "plain":
                 plain = r
             ratio = r["step_ms"] / plain["step_ms"] if plain else float("nan")
-            small = r["held_bytes"] < 2**16  # below a few pages: the ratio says nothing
-            less = f"{plain['held_bytes'] / r['held_bytes']:>6.1f}x" if plain and not small else "    n/a"
+            less = _less(plain, r, "held_bytes")
+            peak_less = _less(plain, r, "peak_bytes")
             print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} "
-                  f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['loss']:>8.4f}", flush=True)
+                  f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
+                  f"{r['loss']:>8.4f}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
+
+
+def _less(plain: dict[str, Any] | None, r: dict[str, Any], key: str) -> str:
+    """How many times less than plain, or n/a below a few pages (the ratio says nothing)."""
+    if plain is None or r[key] < 2**16:
+        return "    n/a"
+    return f"{plain[key] / r[key]:>6.1f}x"
 
 
 if __name__ == "__main__":
