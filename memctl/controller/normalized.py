@@ -74,7 +74,9 @@ Function = Callable[[torch.Tensor], torch.Tensor]
 WIDE_BITS = 16
 """From this many bits per value, a chain's record is kept in half precision (NOTE [ ... ])."""
 
-_BATCH_NORM = frozenset({"NativeBatchNormBackward0"})
+# The CPU's node and the GPU's: cuDNN's saves the same fields (its ``result2`` is the inverse
+# standard deviation too) but names epsilon ``_saved_epsilon`` (seen on an H200, torch 2.11).
+_BATCH_NORM = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
 # grad_fn name -> the elementwise op between the batch norm and the packed tensor.
 _AFTER: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
     "CloneBackward0": None,  # an in-place activation's copy of x: x itself
@@ -168,7 +170,8 @@ def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | 
         mean, var = node._saved_running_mean, node._saved_running_var
         if mean is None or var is None:
             return None
-        invstd = torch.rsqrt(var.float() + float(node._saved_eps))
+        eps = getattr(node, "_saved_eps", None)
+        invstd = torch.rsqrt(var.float() + float(node._saved_epsilon if eps is None else eps))
     if mean is None or invstd is None or mean.numel() != channels or invstd.numel() != channels:
         return None
     mean = mean.detach().float().reshape(-1)

@@ -150,6 +150,28 @@ def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch
     assert bool((decoded[captured[0] > 0] > 0).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a real CUDA device")
+@pytest.mark.parametrize("train", [True, False])
+def test_cudnn_batch_norm_chain_is_derived_on_a_gpu(train: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the batch norm's node is cuDNN's: the chain forms there too, and reads back close."""
+    records = _records(monkeypatch)
+    model = _model(nn.ReLU).cuda().train(train)
+    captured: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: captured.append(out.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=4.0, bit_choices=(4,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    model(torch.randn(8, 3, 16, 16, device="cuda")).square().mean().backward()
+    names = [name for name, _ in records]
+    y = next(saved for name, saved in records if name == "ReluBackward0")
+    decoded = ctl._packer.unpack(y)
+    ctl.detach()
+    assert isinstance(y.data, Derived), names
+    err = float((decoded - captured[0]).norm() / captured[0].norm())
+    assert err < 0.1, err
+
+
 def test_frozen_bias_under_relu_is_not_derived(monkeypatch: pytest.MonkeyPatch) -> None:
     records = _records(monkeypatch)
     model = _model(nn.ReLU)
