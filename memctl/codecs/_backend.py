@@ -118,11 +118,11 @@ def torch_stream(device: torch.device) -> Any:
     """PyTorch's current stream on ``device`` as a Numba stream (0, the default, in the simulator)."""
     if device.type != "cuda":
         return 0
-    return _external_stream(torch.cuda.current_stream(device).cuda_stream)
+    return torch_stream_of_handle(torch.cuda.current_stream(device).cuda_stream)
 
 
 @functools.lru_cache(maxsize=64)
-def _external_stream(handle: int) -> Any:
+def torch_stream_of_handle(handle: int) -> Any:
     """A Numba stream over the CUDA stream ``handle``, made once per handle: making one took
     17 µs per launch on an H200 machine. It owns nothing (PyTorch's streams live as long as
     the process), so a handle reused by a later stream is still that stream."""

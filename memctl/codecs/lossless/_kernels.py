@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from memctl.codecs import _backend
+from memctl.codecs._launch import DirectLaunch
 
 __all__ = [
     "SERIAL_BELOW",
@@ -93,12 +94,21 @@ def cuda_kernels() -> Any:
     return _lossless_cuda
 
 
+@functools.cache
+def _direct(name: str) -> DirectLaunch:
+    """The CUDA kernel ``name``, launched directly (NOTE [ Direct kernel launch ])."""
+    return DirectLaunch(getattr(cuda_kernels(), name), f"lossless.{name}")
+
+
 def pack_cuda(mask: torch.Tensor) -> torch.Tensor:
     """Pack a contiguous 1-D bool tensor with the CUDA kernel (CPU tensors in the simulator)."""
     dev = mask.device
     n = mask.numel()
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=dev)
     if n == 0:
+        return out
+    if dev.type == "cuda":
+        _direct("pack")(-(-out.numel() // _TPB), _TPB, dev, mask.view(torch.uint8), n, out)
         return out
     d_out = _backend.to_device_array(out)
     blocks = -(-out.numel() // _TPB)
@@ -113,6 +123,9 @@ def unpack_cuda(payload: torch.Tensor, n: int) -> torch.Tensor:
     dev = payload.device
     out = torch.empty(n, dtype=torch.uint8, device=dev)
     if n == 0:
+        return out.view(torch.bool)
+    if dev.type == "cuda":
+        _direct("unpack")(-(-n // _TPB), _TPB, dev, payload, n, out)
         return out.view(torch.bool)
     d_out = _backend.to_device_array(out)
     cuda_kernels().unpack[-(-n // _TPB), _TPB, _backend.torch_stream(dev)](

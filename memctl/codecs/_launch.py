@@ -1,0 +1,157 @@
+"""Launching compiled Numba-CUDA kernels on PyTorch tensors without Numba's per-call dispatch.
+
+NOTE [ Direct kernel launch ]
+A kernel launched the usual way (``kernel[grid, block, stream](*args)``) costs about 50 µs of
+Python in Numba's dispatcher on an H200 machine (numba-cuda 0.30.4), and each tensor turned into
+a Numba device array first (``as_cuda_array``) about 19 µs more: an encode with four arrays
+spent over 100 µs launching a kernel that runs for a few microseconds, and a CNN step made of
+such launches ran 7.7x plain PyTorch. :class:`DirectLaunch` launches the first call of each
+argument signature the usual way (Numba compiles there), keeps the compiled kernel, and from
+then on lays out the kernel's parameters itself, the way Numba's ``_Kernel.launch`` does: an
+array as ``(meminfo, parent, size, itemsize, data, *shape, *strides in bytes)`` with null
+meminfo and parent, a scalar as the ctypes value of its Numba type. It reads the pointer,
+shape and strides straight from the tensor. Only C-contiguous CUDA tensors and plain scalars
+take this path; anything else, Numba's simulator, and every call after the direct path has
+failed once (an internal of numba-cuda that moved, say: it warns once) go through the usual
+launch, so a numba-cuda release that changes these internals costs speed, never results. The
+GPU tier checks the direct path byte for byte against the usual one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from memctl.codecs import _backend
+
+__all__ = ["DirectLaunch"]
+
+_SCALARS = (bool, int, float, np.integer, np.floating, np.bool_)
+
+
+class DirectLaunch:
+    """One Numba-CUDA kernel, launched on tensors with the least Python (NOTE [ Direct kernel launch ]).
+
+    Args:
+        kernel: a ``numba.cuda.jit`` kernel (not configured with ``[grid, block]``).
+        name: for the warning when the direct path fails.
+
+    Attributes:
+        broken: the direct path failed once; every launch goes through Numba's from then on.
+    """
+
+    def __init__(self, kernel: Any, name: str) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.broken = False
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._functions: dict[tuple[int, int], Any] = {}
+
+    def __call__(self, grid: int, block: int, device: torch.device, *args: Any) -> None:
+        """Run the kernel on PyTorch's current stream of ``device`` with ``args`` (tensors and scalars)."""
+        if self.broken or device.type != "cuda" or _backend.cuda_simulated():
+            self._usual(grid, block, device, args)
+            return
+        key = _signature(args)
+        if key is None:
+            self._usual(grid, block, device, args)
+            return
+        entry = self._compiled.get(key)
+        try:
+            if entry is None:
+                self._usual(grid, block, device, args)
+                self._compiled[key] = self._find(args)
+                return
+            kernel, types = entry
+            params: list[Any] = []
+            for ty, value in zip(types, args, strict=True):
+                _param(ty, value, params)
+            self._launch(kernel, grid, block, device, params)
+        except Exception as exc:  # an internal of numba-cuda that moved: launch the usual way from now on
+            self.broken = True
+            warnings.warn(
+                f"{self.name!r}: the direct kernel launch failed ({type(exc).__name__}: {exc}); "
+                "launching through Numba's dispatcher from now on (same results, more overhead per call)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            if entry is not None:
+                self._usual(grid, block, device, args)
+
+    def _launch(self, kernel: Any, grid: int, block: int, device: torch.device, params: list[Any]) -> None:
+        launch = importlib.import_module("cuda.core").launch
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        function = self._functions.get((id(kernel), index))
+        if function is None:
+            with torch.cuda.device(index):
+                function = self._functions[(id(kernel), index)] = kernel._codelibrary.get_cufunc().kernel
+        launch(_core_stream(torch.cuda.current_stream(device).cuda_stream), _config(grid, block), function,
+               *params)
+
+    def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> None:
+        converted = [_backend.to_device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+        self.kernel[grid, block, _backend.torch_stream(device)](*converted)
+
+    def _find(self, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+        """The compiled kernel for ``args`` (launched once already) and its argument types."""
+        converted = [_backend.to_device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+        types = tuple(self.kernel.typeof_pyval(a) for a in converted)
+        kernel = self.kernel.overloads[types]
+        return kernel, tuple(kernel.argument_types)
+
+
+def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A key that tells apart the argument types Numba would compile for, or None when an argument
+    cannot take the direct path."""
+    key: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cuda" or not a.is_contiguous() or a.dim() == 0:
+                return None
+            key.append((a.dtype, a.dim()))
+        elif isinstance(a, _SCALARS):
+            key.append(type(a))
+        else:
+            return None
+    return tuple(key)
+
+
+def _param(ty: Any, value: Any, out: list[Any]) -> None:
+    """Append the kernel parameters of one argument, as Numba's ``_Kernel._prepare_args`` lays them out."""
+    types = importlib.import_module("numba.cuda.types")
+    if isinstance(ty, types.Array):
+        shape = tuple(value.shape)
+        itemsize = value.element_size()
+        strides = [itemsize * s for s in value.stride()]
+        out += [0, 0, value.numel(), itemsize, value.data_ptr(), *shape, *strides]
+    elif isinstance(ty, types.Integer):
+        out.append(getattr(ctypes, f"c_{ty}")(int(value)))
+    elif ty == types.float32:
+        out.append(ctypes.c_float(float(value)))
+    elif ty == types.float64:
+        out.append(ctypes.c_double(float(value)))
+    elif ty == types.boolean:
+        out.append(bool(value))
+    else:
+        raise TypeError(f"no direct layout for a kernel argument of type {ty}")
+
+
+@functools.lru_cache(maxsize=64)
+def _core_stream(handle: int) -> Any:
+    """``cuda.core``'s stream over the CUDA stream ``handle``, made once per handle (it owns nothing)."""
+    driver = importlib.import_module("numba.cuda.cudadrv.driver")
+    return driver._to_core_stream(_backend.torch_stream_of_handle(handle))
+
+
+@functools.lru_cache(maxsize=256)
+def _config(grid: int, block: int) -> Any:
+    launch_config = importlib.import_module("cuda.core").LaunchConfig
+    if importlib.import_module("numba.cuda._compat").CUDA_CORE_GE_1_0:
+        return launch_config(grid=grid, block=block, shmem_size=0, is_cooperative=False)
+    return launch_config(grid=grid, block=block, shmem_size=0, cooperative_launch=False)
