@@ -41,6 +41,7 @@ whole bytes. Both run on PyTorch's current stream with ``fastmath=False``.
 from __future__ import annotations
 
 import functools
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -154,17 +155,58 @@ def cuda_kernels() -> Any:
     return _quantize_cuda
 
 
+def _team_kernels(bits: int, group: int) -> tuple[Any, Any] | None:
+    """The warp-team ``(encode, decode)`` for ``group`` (NOTE [ Quantize CUDA kernels ]), or
+    None when a group is larger than one warp's tile and the block-per-group kernels run."""
+    _backend.cuda()
+    from memctl.codecs.quantize import _cuda_teams
+
+    if not _cuda_teams.uses_teams(group, bits):
+        return None
+    return _cuda_teams.team_kernels(bits, _cuda_teams.chunk_for(group, bits), _backend.cuda_simulated())
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The multiprocessor count of ``device``, read once per device (1 in the simulator)."""
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _team_grid(ngroups: int, group: int, bits: int, device: torch.device) -> int:
+    """Blocks for the team kernels: enough for every warp tile, at most one resident wave."""
+    from memctl.codecs.quantize import _cuda_teams
+
+    per_tile = 32 // (group // _cuda_teams.chunk_for(group, bits))
+    tiles = -(-ngroups // per_tile)
+    blocks = -(-tiles // _cuda_teams.WARPS_PER_BLOCK)
+    return max(1, min(blocks, _multiprocessors(device) * _cuda_teams.BLOCKS_PER_SM))
+
+
+def _configure(kernel: Any, grid: int, block: int, stream: Any) -> Any:
+    """``kernel[grid, block, stream]`` without Numba's "Grid size N will likely result in GPU
+    under-utilization" warning: a small tensor gets a small grid on purpose."""
+    from numba.core.errors import NumbaPerformanceWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
+        return kernel[grid, block, stream]
+
+
 def _grid(ngroups: int) -> int:
     return max(1, min(ngroups, 65535 * 16))
 
 
 def encode_cuda(
-    x: torch.Tensor, bits: int, group: int, seed: int
+    x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, non-finite count)``.
 
     On a real GPU ``x`` is a CUDA tensor and the outputs stay on its device; in the simulator
     (NOTE [ CUDA simulator ]) a CPU tensor is accepted and the outputs are CPU tensors.
+    ``positive``: ``ceil(n / 8)`` uint8 on ``x``'s device that receive the bit mask of ``x > 0``
+    (NOTE [ Positive mask in encode ]); the team kernels write it in the same pass.
     """
     dev = x.device
     n = x.numel()
@@ -174,14 +216,33 @@ def encode_cuda(
     if n == 0:
         return payload, meta, 0
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    k = cuda_kernels()
     d_payload = _backend.to_device_array(payload)
     d_meta = _backend.to_device_array(meta)
     d_bad = _backend.to_device_array(bad)
     stream = _backend.torch_stream(dev)
-    k.encode[_grid(ngroups), k.TPB, stream](
-        _backend.to_device_array(x), n, group, bits, seed, d_meta, d_payload, d_bad
-    )
+    teams = _team_kernels(bits, group)
+    d_x = _backend.to_device_array(x)
+    if teams is not None:
+        from memctl.codecs.quantize import _cuda_teams
+
+        d_positive = _backend.to_device_array(
+            torch.zeros(1, dtype=torch.uint8, device=dev) if positive is None else positive
+        )
+        grid = _team_grid(ngroups, group, bits, dev)
+        _configure(teams[0], grid, _cuda_teams.TEAM_TPB, stream)(
+            d_x, n, group, seed, d_meta, d_payload, d_bad, d_positive, positive is not None
+        )
+        if positive is not None and dev.type != "cuda":  # the simulator worked on a copy
+            positive.copy_(_backend.from_device_array(d_positive, dev))
+    else:
+        k = cuda_kernels()
+        _configure(k.encode, _grid(ngroups), k.TPB, stream)(
+            d_x, n, group, bits, seed, d_meta, d_payload, d_bad
+        )
+        if positive is not None:
+            from memctl.codecs.lossless import _reference as _lossless_reference
+
+            positive.copy_(_lossless_reference.pack(x > 0))
     payload = _backend.from_device_array(d_payload, dev)
     meta = _backend.from_device_array(d_meta, dev)
     count = int(_backend.from_device_array(d_bad, dev)[0].item())  # NOTE [ Exception list ]: one sync
@@ -200,10 +261,16 @@ def decode_cuda(
         return out
     d_out = _backend.to_device_array(out)
     stream = _backend.torch_stream(dev)
-    k = cuda_kernels()
     bits_arr = torch.zeros(1, dtype=torch.uint8, device=dev) if mask is None else mask
-    k.decode[_grid(meta.shape[0]), k.TPB, stream](
-        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out,
-        _backend.to_device_array(bits_arr), mask is not None, np.float32(floor),
-    )
+    args = (_backend.to_device_array(payload), _backend.to_device_array(meta), n, group)
+    tail = (d_out, _backend.to_device_array(bits_arr), mask is not None, np.float32(floor))
+    teams = _team_kernels(bits, group)
+    if teams is not None:
+        from memctl.codecs.quantize import _cuda_teams
+
+        grid = _team_grid(meta.shape[0], group, bits, dev)
+        _configure(teams[1], grid, _cuda_teams.TEAM_TPB, stream)(*args, *tail)
+    else:
+        k = cuda_kernels()
+        _configure(k.decode, _grid(meta.shape[0]), k.TPB, stream)(*args, bits, *tail)
     return _backend.from_device_array(d_out, dev)
