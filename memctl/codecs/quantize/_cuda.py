@@ -1,4 +1,5 @@
-"""CUDA kernels of the ``quantize`` codec (see NOTE [ Quantize CUDA kernels ] in ``_kernels``).
+"""Block-per-group CUDA kernels of ``quantize``, which run groups larger than a warp's tile
+(NOTE [ Quantize CUDA kernels ] in ``_kernels``; smaller groups run ``_cuda_teams``).
 
 This module imports ``numba.cuda`` at its top, so it is imported only on first use (by
 :func:`memctl.codecs.quantize._kernels.cuda_kernels`); the kernels refer to ``cuda`` as a

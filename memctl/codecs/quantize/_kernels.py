@@ -28,14 +28,47 @@ unpredictable as coin flips, cost ~8 ns a value (19 ms for a 2.4M-value tensor a
 thread, against 1.6 ms now; the unmasked decode takes ~1 ms).
 
 NOTE [ Quantize CUDA kernels ]
-Encode is one block of ``TPB`` threads per group (grid-stride over groups): the block
-reads the group once for a shared-memory min/max reduction (no warp shuffles, so it also
-runs in the simulator), then each thread writes whole output bytes (``8 / bits`` values
-per byte, consecutive threads on consecutive bytes, so loads and stores are coalesced).
-Non-finite values are counted with one atomic per thread that saw any, so the host reads
-a single int to decide whether to build the exception list. Decode is one block per
-group: the block fills a shared table of the ``2**bits`` levels, then each thread expands
-whole bytes. Both run on PyTorch's current stream with ``fastmath=False``.
+The first kernels gave each group of 256 values a block of 64 threads: 1 KiB of work behind
+a chain of dependent loads and eight block barriers, a second read of the values from
+global memory, 64-bit integer and float64 arithmetic per value, and a float64 division per
+level in decode. Per-block latency, not bandwidth, set their speed (an H200 encoded 2-bit
+codes at 0.14 of its copy bandwidth). The kernels of ``_cuda_teams`` work in warps instead:
+
+- A warp takes a *tile* of whole groups, ``32 * C`` values at most, with ``C`` values per
+  lane (16 at 1 and 2 bits when the group is a multiple of 16, else 8, so a lane's run never
+  crosses a group). A group is held by a *team* of ``G / C`` consecutive lanes, so a warp
+  holds ``32 // (G / C)`` groups (32 groups of 8, two of 256 at ``C = 16``). ``C`` and the
+  bit width are compile-time constants (one kernel per pair, built on first use), so the
+  loops over a lane's values unroll and the values stay in registers.
+- Loads are coalesced (lane ``l`` reads values ``32 j + l``) into a per-warp shared tile
+  padded by one word per 32, from which each lane reads its own ``C`` consecutive values
+  without bank conflicts. Encode issues the next tile's loads before coding the current
+  one, so they are in flight during the arithmetic.
+- A team's min/max is a tree over its lanes in shared memory (at most five steps); groups
+  are read once, and codes are computed from registers with the group's constants hoisted
+  (``mn64``, the scale, the hash key: one float64 division per lane, none per value) and a
+  ``lowbias32`` per value. Packed bytes go through shared memory again so that each
+  store instruction writes 32 consecutive bytes. Asked for it, the encode also writes the
+  ``x > 0`` bit mask (NOTE [ Positive mask in encode ]).
+- Decode computes the 2 or 4 levels of a group once per lane (1 and 2 bits) or each value's
+  level with the reference's expression (4 and 8 bits, where a table would cost as many
+  divisions as the values), applies the mask and floor (NOTE [ Masked decode ]), and stores
+  through the shared tile so consecutive lanes write consecutive floats.
+- Barriers are per warp (``syncwarp``). Numba's simulator has no ``syncwarp`` (nor warp
+  shuffles), so there the kernels are built with block barriers; every loop trip count is
+  uniform over the block, so both barriers are reached by every thread equally often, and
+  warps only share data within their own slice of shared memory.
+- The grid is ``BLOCKS_PER_SM`` blocks of 128 threads per multiprocessor (read once per
+  device), the launch bound that caps registers so that all of them are resident: the
+  grid-stride loop runs in one wave. A small tensor gets a small grid on purpose; Numba's
+  under-utilization warning is filtered around that launch only.
+
+Groups larger than a warp's tile (above 512 values at 1 and 2 bits, 256 at 4 and 8) run the
+first kernels (``_cuda``): one block of ``TPB`` threads per group, a shared-memory min/max
+and one output byte per thread; there the per-group work is large enough to carry the
+per-block cost. Non-finite values are counted with one atomic per thread that saw any, so
+the host reads a single int to decide whether to build the exception list. All kernels run
+on PyTorch's current stream with ``fastmath=False``.
 """
 
 from __future__ import annotations

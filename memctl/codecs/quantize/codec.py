@@ -52,9 +52,11 @@ A ReLU output keeps the bit mask of its positive values next to its record (NOTE
 masks ] in ``memctl/controller/packing.py``): ``lossless.encode(t > 0)``, a comparison
 pass and a packing pass over the whole tensor. ``encode_with_positive`` writes the same
 lossless record, byte for byte, from inside the CPU encode kernel, per group while the
-group's values sit in L1 after the min/max pass, so the tensor is read once. The other
-implementations (the reference, the CUDA kernels) compute ``t > 0`` and call the lossless
-codec: the bytes are the same.
+group's values sit in L1 after the min/max pass, so the tensor is read once; the CUDA team
+kernels write it from the values each lane holds in registers (NOTE [ Quantize CUDA kernels ]
+in ``_kernels``). The reference computes ``t > 0`` and calls the lossless codec, and so do
+the CUDA paths without a one-pass kernel (groups larger than a warp's tile, and the
+reference that runs after a CUDA compile failure): the bytes are the same.
 
 NOTE [ Masked decode ]
 ``decode(p, mask=m)`` takes the bit mask of the values that must come back positive (a
