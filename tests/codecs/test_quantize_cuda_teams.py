@@ -10,6 +10,7 @@ The same cases at full size run on a real GPU in ``test_codecs_gpu.py``.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -18,8 +19,6 @@ from memctl.codecs import get
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference as quantize_reference
 from memctl.codecs.quantize.codec import QuantizeCodec
-
-pytestmark = pytest.mark.cudasim
 
 # (bits, group, numel): what each case covers
 _CASES = [
@@ -60,6 +59,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+@pytest.mark.cudasim
 @pytest.mark.parametrize(("bits", "group", "numel"), _CASES)
 def test_team_kernels_encode_and_decode_like_the_reference(bits: int, group: int, numel: int) -> None:
     x = _values(numel, seed=bits * 7 + group)
@@ -71,6 +71,7 @@ def test_team_kernels_encode_and_decode_like_the_reference(bits: int, group: int
     assert _same(codec.decode(sim, impl="cuda"), codec.decode(ref, impl="reference"))
 
 
+@pytest.mark.cudasim
 @pytest.mark.parametrize(("bits", "group", "numel"), _CASES)
 def test_masked_decode_with_a_floor_is_the_reference(bits: int, group: int, numel: int) -> None:
     x = _values(numel, seed=bits + group)
@@ -84,6 +85,7 @@ def test_masked_decode_with_a_floor_is_the_reference(bits: int, group: int, nume
     assert torch.all(out[on] >= floor) and torch.all(out[~on] == 0)
 
 
+@pytest.mark.cudasim
 @pytest.mark.parametrize(("bits", "group", "numel"), [_CASES[0], _CASES[1], _CASES[2], _CASES[-1]])
 def test_cuda_encode_with_positive_writes_the_lossless_mask(bits: int, group: int, numel: int) -> None:
     x = _values(numel, seed=group)
@@ -91,6 +93,21 @@ def test_cuda_encode_with_positive_writes_the_lossless_mask(bits: int, group: in
     record, mask = codec.encode_with_positive(x, bits=bits, seed=4, impl="cuda")
     assert record.to_bytes() == codec.encode(x, bits=bits, seed=4, impl="reference").to_bytes()
     assert mask.to_bytes() == get("lossless").encode(x > 0).to_bytes()
+
+
+def test_wrapping_hash_for_the_gpu_is_lowbias32() -> None:
+    """The GPU's 32-bit ``lowbias32`` (products truncated, not masked) is the same function;
+    compiled by Numba on the CPU, whose integer typing is the CUDA target's."""
+    import numba
+    import numpy as np
+
+    from memctl.codecs import _rng
+    from memctl.codecs.quantize import _cuda_teams
+
+    mix = numba.njit(_cuda_teams._mix32_wrapping)
+    rnd = random.Random(3)
+    for x in [0, 1, 2**31, 2**32 - 1, 0x7FEB352D] + [rnd.getrandbits(32) for _ in range(2000)]:
+        assert int(mix(np.uint32(x))) == _rng.lowbias32_int(x)
 
 
 def test_team_kernels_cover_groups_up_to_one_warp_tile() -> None:
@@ -103,6 +120,7 @@ def test_team_kernels_cover_groups_up_to_one_warp_tile() -> None:
     assert _quantize_kernels._team_kernels(4, 1_024) is None
 
 
+@pytest.mark.cudasim
 def test_tensor_of_one_value_and_of_one_partial_group() -> None:
     codec = QuantizeCodec(group_size=256)
     for x in (torch.tensor([3.0]), torch.linspace(-1.0, 1.0, 13)):

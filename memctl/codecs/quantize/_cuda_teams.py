@@ -56,6 +56,21 @@ def _mix32(x: Any) -> Any:
     return np.uint32(x ^ (x >> np.uint32(16)))
 
 
+def _mix32_wrapping(x: Any) -> Any:
+    """``lowbias32`` on a uint32 for a real GPU: each product truncated to 32 bits, which NVVM
+    compiles to 32-bit multiplies (the masked form of :func:`_mix32` stays in 64-bit registers).
+    As Python on NumPy scalars the products would overflow with a warning: the simulator runs
+    :func:`_mix32`, the same function of ``x``."""
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    x = np.uint32(x * np.uint32(0x7FEB352D))
+    x = np.uint32(x ^ (x >> np.uint32(15)))
+    x = np.uint32(x * np.uint32(0x846CA68B))
+    return np.uint32(x ^ (x >> np.uint32(16)))
+
+
+_mix32_gpu = cuda.jit(device=True)(_mix32_wrapping)
+
+
 @cuda.jit(device=True)
 def _key32(seed: Any, hi: Any) -> Any:
     """``key(seed, hi)`` of NOTE [ Counter-based RNG ] as a uint32."""
@@ -112,6 +127,7 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
     SB = WARP * CB  # a warp tile's payload bytes
     SCALE = np.float64(BIG) * 16777216.0
     sync = _warp_sync(simulated)
+    mix = _mix32 if simulated else _mix32_gpu
 
     @cuda.jit(device=True)
     def _load_tile(x: Any, n: Any, tile: Any, ntiles: Any, tile_vals: Any, lane: Any, dest: Any) -> None:
@@ -217,9 +233,12 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
                     k = b * P + p
                     val = v[k]
                     if k < cnt and abs(val) <= _FMAX:
-                        t = np.int64((np.float64(val) - mn64) * sc)
-                        r = np.int64(_mix32(np.uint32(lo + np.uint32(k)) ^ key) >> np.uint32(8))
-                        q = (t + r) >> 24
+                        # T = trunc((x - mn) * s) < 2**32 (it is at most B * 2**24 plus rounding),
+                        # so (T + r) >> 24 is computed in 32 bits as T's top byte plus a carry
+                        t = np.uint32((np.float64(val) - mn64) * sc)
+                        r = np.uint32(mix(np.uint32(lo + np.uint32(k)) ^ key) >> np.uint32(8))
+                        carry = np.uint32((np.uint32(t & np.uint32(0xFFFFFF)) + r) >> np.uint32(24))
+                        q = np.uint32(np.uint32(t >> np.uint32(24)) + carry)
                         acc |= int(q if q < BIG else BIG) << (p * bits)
                 sb[w, lane * CB + b] = np.uint8(acc)
             if want_positive:
