@@ -51,6 +51,8 @@ _SCRIPT = textwrap.dedent(
     b1 = types.boolean
     for bits, chunk in [(1, 16), (2, 16), (1, 8), (2, 8), (4, 8), (8, 8)]:
         enc, dec = _cuda_teams.team_kernels(bits, chunk, False)
+        bound = (_cuda_teams.TEAM_TPB, _cuda_teams.BLOCKS_PER_SM)
+        assert enc.targetoptions["launch_bounds"] == dec.targetoptions["launch_bounds"] == bound
         sigs = [
             (enc, (f32, i64, i64, i64, meta, u8, i32, u8, b1)),
             (dec, (u8, meta, i64, i64, f32, u8, b1, types.float32)),

@@ -10,6 +10,7 @@ swaps for its fake module. Building compiles nothing: each kernel compiles on it
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -111,8 +112,8 @@ def _warp_sync(simulated: bool) -> Callable[[], None]:
 
 def _kernel_options(simulated: bool) -> dict[str, Any]:
     """``fastmath=False`` (NOTE [ Quantize arithmetic ]) and, for a real GPU, the launch bound
-    of ``BLOCKS_PER_SM`` (the simulator takes no launch bounds)."""
-    if simulated:
+    of ``BLOCKS_PER_SM`` (the simulator, and Numba-CUDA releases before launch bounds, take none)."""
+    if simulated or "launch_bounds" not in inspect.signature(cuda.jit).parameters:
         return {"fastmath": False}
     return {"fastmath": False, "launch_bounds": (TEAM_TPB, BLOCKS_PER_SM)}
 
