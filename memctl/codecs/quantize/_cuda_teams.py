@@ -274,16 +274,47 @@ def _build_decode(bits: int, chunk: int, simulated: bool) -> Any:
     MB = C // 8  # mask bytes per lane
     sync = _warp_sync(simulated)
 
+    @cuda.jit(device=True)
+    def _fetch(
+        payload: Any, meta: Any, n: Any, group: Any, mask: Any, masked: Any, tile: Any, ntiles: Any,
+        per_tile: Any, team: Any, c0: Any, codes: Any, mbits: Any,
+    ) -> Any:
+        """The lane's inputs of warp tile ``tile``: its payload bytes into ``codes``, its mask
+        bytes into ``mbits``; returns ``(min, max, whether the lane has values there)``."""
+        s0 = np.int64(tile) * (per_tile * group)
+        i0 = s0 + c0
+        g = np.int64(tile) * per_tile + team
+        ok = tile < ntiles and team < per_tile and g < meta.shape[0] and i0 < n
+        mn = np.float32(0.0)
+        mx = np.float32(0.0)
+        for b in range(CB):
+            codes[b] = 0
+        for m in range(MB):
+            mbits[m] = 0
+        if ok:
+            mn = meta[g, 0]
+            mx = meta[g, 1]
+            b0 = i0 * bits // 8
+            for b in range(CB):
+                codes[b] = np.int32(payload[b0 + b])
+            if masked:
+                for m in range(MB):
+                    if i0 + 8 * m < n:
+                        mbits[m] = np.int32(mask[(i0 >> 3) + m])
+        return mn, mx, ok
+
     @cuda.jit(**_kernel_options(simulated))
     def decode(
         payload: Any, meta: Any, n: Any, group: Any, out: Any, mask: Any, masked: Any, floor: Any
     ) -> None:
         """Each lane expands ``C`` consecutive values of one group; the warp stores them coalesced.
 
-        With ``masked``, each value also takes its bit of ``mask`` (NOTE [ Masked decode ]).
+        With ``masked``, each value also takes its bit of ``mask`` (NOTE [ Masked decode ]). A
+        tile's inputs are loaded one iteration ahead, while the previous tile is stored.
         """
         sx = cuda.shared.array((WPB, XS), np.float32)
-        mb = cuda.local.array(MB, np.int32)
+        codes = cuda.local.array(CB, np.int32)
+        mbits = cuda.local.array(MB, np.int32)
         tid = cuda.threadIdx.x
         w = tid // WARP
         lane = tid % WARP
@@ -294,14 +325,15 @@ def _build_decode(bits: int, chunk: int, simulated: bool) -> Any:
         ngroups = meta.shape[0]
         ntiles = (ngroups + per_tile - 1) // per_tile
         c0 = lane * C
-        for first in range(cuda.blockIdx.x * WPB, ntiles, cuda.gridDim.x * WPB):
+        stride = cuda.gridDim.x * WPB
+        mn, mx, ok = _fetch(
+            payload, meta, n, group, mask, masked, cuda.blockIdx.x * WPB + w, ntiles, per_tile, team, c0,
+            codes, mbits,
+        )
+        for first in range(cuda.blockIdx.x * WPB, ntiles, stride):
             tile = first + w
             s0 = np.int64(tile) * tile_vals
-            i0 = s0 + c0
-            g = np.int64(tile) * per_tile + team
-            if tile < ntiles and team < per_tile and g < ngroups and i0 < n:
-                mn = meta[g, 0]
-                mx = meta[g, 1]
+            if ok:
                 mn64 = np.float64(mn)
                 rng = np.float64(mx) - mn64
                 # bits <= 2: the 2 or 4 levels once per lane, exactly the reference's expression;
@@ -313,13 +345,8 @@ def _build_decode(bits: int, chunk: int, simulated: bool) -> Any:
                 if BIG == 3:
                     l2 = _level(mn, mx, mn64, rng, 2, BIG, masked, floor)
                     l3 = _level(mn, mx, mn64, rng, 3, BIG, masked, floor)
-                for m in range(C // 8):
-                    mb[m] = 0
-                    if masked and i0 + 8 * m < n:
-                        mb[m] = np.int32(mask[(i0 >> 3) + m])
-                b0 = i0 * bits // 8
                 for b in range(CB):
-                    code = np.int32(payload[b0 + b])
+                    code = codes[b]
                     for p in range(P):
                         k = b * P + p
                         q = (code >> (p * bits)) & BIG
@@ -329,11 +356,14 @@ def _build_decode(bits: int, chunk: int, simulated: bool) -> Any:
                             y = (l3 if q == 3 else l2) if q >= 2 else (l1 if q == 1 else l0)
                         else:
                             y = _level(mn, mx, mn64, rng, q, BIG, masked, floor)
-                        if masked and not (mb[k >> 3] >> (k & 7)) & 1:
+                        if masked and not (mbits[k >> 3] >> (k & 7)) & 1:
                             y = np.float32(0.0)
                         li = c0 + k
                         sx[w, li + (li >> 5)] = y
             sync()
+            mn, mx, ok = _fetch(
+                payload, meta, n, group, mask, masked, tile + stride, ntiles, per_tile, team, c0, codes, mbits
+            )
             for j in range(C):
                 li = j * WARP + lane
                 if tile < ntiles and li < tile_vals and s0 + li < n:

@@ -53,7 +53,12 @@ codes at 0.14 of its copy bandwidth). The kernels of ``_cuda_teams`` work in war
 - Decode computes the 2 or 4 levels of a group once per lane (1 and 2 bits) or each value's
   level with the reference's expression (4 and 8 bits, where a table would cost as many
   divisions as the values), applies the mask and floor (NOTE [ Masked decode ]), and stores
-  through the shared tile so consecutive lanes write consecutive floats.
+  through the shared tile so consecutive lanes write consecutive floats. It needs no
+  reduction, so its only barriers guard the shared tile; a tile's metadata, payload and mask
+  bytes are loaded one iteration ahead, while the previous tile is being stored.
+- On a GPU the hash runs on 32-bit multiplies (products truncated to 32 bits); the masked
+  64-bit form that the simulator runs (its NumPy scalars warn on overflow) stays in 64-bit
+  registers after NVVM. The same function of the index, tested against ``lowbias32``.
 - Barriers are per warp (``syncwarp``). Numba's simulator has no ``syncwarp`` (nor warp
   shuffles), so there the kernels are built with block barriers; every loop trip count is
   uniform over the block, so both barriers are reached by every thread equally often, and
