@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -108,6 +109,25 @@ def test_wrapping_hash_for_the_gpu_is_lowbias32() -> None:
     rnd = random.Random(3)
     for x in [0, 1, 2**31, 2**32 - 1, 0x7FEB352D] + [rnd.getrandbits(32) for _ in range(2000)]:
         assert int(mix(np.uint32(x))) == _rng.lowbias32_int(x)
+
+
+def test_launch_silences_only_numbas_grid_size_warning() -> None:
+    from numba.core.errors import NumbaPerformanceWarning
+
+    class Kernel:
+        def __init__(self, message: str) -> None:
+            self.message = message
+
+        def __getitem__(self, config: object) -> object:
+            warnings.warn(NumbaPerformanceWarning(self.message), stacklevel=1)
+            return config
+
+    small = Kernel("Grid size 1 will likely result in GPU under-utilization due to low occupancy.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _quantize_kernels._configure(small, 1, 128, 0) == (1, 128, 0)
+        with pytest.raises(NumbaPerformanceWarning, match="Host array"):
+            _quantize_kernels._configure(Kernel("Host array used in CUDA kernel"), 1, 128, 0)
 
 
 def test_team_kernels_cover_groups_up_to_one_warp_tile() -> None:

@@ -228,7 +228,8 @@ def _configure(kernel: Any, grid: int, block: int, stream: Any) -> Any:
     from numba.core.errors import NumbaPerformanceWarning
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Grid size", category=NumbaPerformanceWarning)
+        # the message may start with terminal highlighting codes (Numba's warning classes add them)
+        warnings.filterwarnings("ignore", message=".*Grid size", category=NumbaPerformanceWarning)
         return kernel[grid, block, stream]
 
 
