@@ -111,6 +111,23 @@ def test_wrapping_hash_for_the_gpu_is_lowbias32() -> None:
         assert int(mix(np.uint32(x))) == _rng.lowbias32_int(x)
 
 
+@pytest.mark.cudasim
+def test_simulated_hash_and_key_above_two_to_the_32() -> None:
+    """The simulator's hash and the per-2**32 key of NOTE [ Counter-based RNG ], for indices a
+    test tensor cannot reach (``index >> 32`` up to 2**31)."""
+    import numpy as np
+
+    from memctl.codecs import _rng
+    from memctl.codecs.quantize import _cuda_teams
+
+    rnd = random.Random(4)
+    for seed in (0, 1, 2**32 - 1, rnd.getrandbits(32)):
+        for hi in (0, 1, 2, 3, 2**20 + 7, 2**31 - 1):
+            assert int(_cuda_teams._key32(np.uint64(seed), np.int64(hi))) == _rng.key_int(seed, hi)
+    for x in [0, 2**32 - 1] + [rnd.getrandbits(32) for _ in range(500)]:
+        assert int(_cuda_teams._mix32(np.uint32(x))) == _rng.lowbias32_int(x)
+
+
 def test_launch_silences_only_numbas_grid_size_warning() -> None:
     from numba.core.errors import NumbaPerformanceWarning
 
