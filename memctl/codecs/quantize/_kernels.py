@@ -46,10 +46,10 @@ codes at 0.14 of its copy bandwidth). The kernels of ``_cuda_teams`` work in war
   one, so they are in flight during the arithmetic.
 - A team's min/max is a tree over its lanes in shared memory (at most five steps); groups
   are read once, and codes are computed from registers with the group's constants hoisted
-  (``mn64``, the scale, the hash key: one float64 division per lane, none per value) and a
-  ``lowbias32`` per value. Packed bytes go through shared memory again so that each
-  store instruction writes 32 consecutive bytes. Asked for it, the encode also writes the
-  ``x > 0`` bit mask (NOTE [ Positive mask in encode ]).
+  (``mn64``; the scale ``B * 2**24 / R``, one float64 division per lane and tile, none per
+  value; the hash key) and one ``lowbias32`` per value. Packed bytes go through shared
+  memory again so that each store instruction writes 32 consecutive bytes. Asked for it,
+  the encode also writes the ``x > 0`` bit mask (NOTE [ Positive mask in encode ]).
 - Decode computes the 2 or 4 levels of a group once per lane (1 and 2 bits) or each value's
   level with the reference's expression (4 and 8 bits, where a table would cost as many
   divisions as the values), applies the mask and floor (NOTE [ Masked decode ]), and stores
