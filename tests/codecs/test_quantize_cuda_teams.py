@@ -37,9 +37,7 @@ _CASES = [
 
 @pytest.fixture(autouse=True)
 def _one_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    from memctl.codecs.quantize import _cuda_teams
-
-    monkeypatch.setattr(_cuda_teams, "BLOCKS_PER_SM", 1)
+    monkeypatch.setattr(_quantize_kernels, "_team_grid", lambda *args: 1)
 
 
 def _values(numel: int, seed: int) -> torch.Tensor:
@@ -155,6 +153,19 @@ def test_team_kernels_cover_groups_up_to_one_warp_tile() -> None:
     assert _cuda_teams.uses_teams(256, 8) and not _cuda_teams.uses_teams(512, 8)
     assert _quantize_kernels._team_kernels(2, 256) is not None
     assert _quantize_kernels._team_kernels(4, 1_024) is None
+
+
+def test_team_grid_covers_the_tiles_up_to_one_resident_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memctl.codecs.quantize import _cuda_teams
+
+    monkeypatch.undo()  # the real grid, not the fixture's single block
+    monkeypatch.setattr(_quantize_kernels, "_multiprocessors", lambda device: 132)
+    grid = _quantize_kernels._team_grid
+    cpu = torch.device("cpu")
+    assert grid(3, 256, 2, cpu) == 1  # 2 groups a warp: 2 tiles, one block of 4 warps
+    assert grid(64, 8, 1, cpu) == 1  # 32 groups a warp
+    assert grid(17, 256, 4, cpu) == 5  # 1 group a warp at 4 bits (8 values a lane)
+    assert grid(10**7, 256, 2, cpu) == 132 * _cuda_teams.BLOCKS_PER_SM
 
 
 @pytest.mark.cudasim
