@@ -56,8 +56,8 @@ def encode(x: Any, n: Any, group: Any, bits: Any, seed: Any, meta: Any, payload:
                 mx = v if v > mx else mx
             else:
                 nonfinite += 1
-        if nonfinite:
-            cuda.atomic.add(bad, 0, nonfinite)
+        if nonfinite:  # adding 1 (not the count) keeps ``bad`` from wrapping to 0
+            cuda.atomic.add(bad, 0, 1)
         smin[tid] = mn
         smax[tid] = mx
         cuda.syncthreads()

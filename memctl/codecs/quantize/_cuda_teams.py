@@ -258,8 +258,8 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
                 bi = m * WARP + lane
                 if tile < ntiles and bi < tile_vals * bits // 8 and b0 + bi < nbytes:
                     payload[b0 + bi] = sb[w, bi]
-        if nonfinite:
-            cuda.atomic.add(bad, 0, nonfinite)
+        if nonfinite:  # one atomic per thread that saw any; adding 1 keeps the count from wrapping
+            cuda.atomic.add(bad, 0, 1)
 
     return encode
 

@@ -71,8 +71,9 @@ codes at 0.14 of its copy bandwidth). The kernels of ``_cuda_teams`` work in war
 Groups larger than a warp's tile (above 512 values at 1 and 2 bits, 256 at 4 and 8) run the
 first kernels (``_cuda``): one block of ``TPB`` threads per group, a shared-memory min/max
 and one output byte per thread; there the per-group work is large enough to carry the
-per-block cost. Non-finite values are counted with one atomic per thread that saw any, so
-the host reads a single int to decide whether to build the exception list. All kernels run
+per-block cost. A thread that saw a non-finite value adds 1 to a counter (one atomic, and a
+count that cannot wrap to 0), so the host reads a single int to decide whether to build the
+exception list. All kernels run
 on PyTorch's current stream with ``fastmath=False``.
 """
 
@@ -240,7 +241,8 @@ def _grid(ngroups: int) -> int:
 def encode_cuda(
     x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, non-finite count)``.
+    """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, flag)``, the
+    flag non-zero when some value is non-finite (the number of threads that saw one).
 
     On a real GPU ``x`` is a CUDA tensor and the outputs stay on its device; in the simulator
     (NOTE [ CUDA simulator ]) a CPU tensor is accepted and the outputs are CPU tensors.
