@@ -6,6 +6,7 @@ Every test here is marked ``gpu`` and skipped, with the reason, without a CUDA d
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -23,6 +24,16 @@ _CASES = [
     (4, 128, 300_001),
     (8, 8, 12_345),
     (2, 256, 0),
+    # the cases of test_quantize_cuda_teams.py (simulator) at full size
+    (1, 8, 1_000_003),  # 32 groups per warp, a lane per group
+    (2, 256, 16_777_221),  # the default: many turns of the grid-stride loop, a partial last group
+    (2, 24, 999_999),  # a group of 3 lanes, two idle lanes per warp
+    (2, 48, 1_000_000),  # 16 values a lane, a group of 3 lanes
+    (1, 512, 2_000_005),  # one group per warp
+    (4, 64, 1_500_001),
+    (8, 256, 1_100_007),  # 8 bits, a whole warp per group
+    (4, 1_024, 2_100_003),  # larger than a warp's tile: the block-per-group kernels
+    (2, 256, 1),
 ]
 
 
@@ -48,6 +59,45 @@ def test_quantize_cuda_kernel_matches_cpu_reference(bits: int, group: int, numel
     assert y_gpu.device.type == "cuda"
     assert torch.equal(y_gpu.cpu().nan_to_num(), y_ref.nan_to_num())
     assert torch.equal(y_gpu.cpu().isnan(), x.isnan())
+
+
+_MASKED = [(2, 256, 4_194_311), (1, 8, 1_000_001), (4, 24, 777_777), (8, 256, 300_007), (2, 1_024, 300_001)]
+
+
+@pytest.mark.parametrize(("bits", "group", "numel"), _MASKED)
+def test_quantize_cuda_masked_decode_with_floor_matches_reference(bits: int, group: int, numel: int) -> None:
+    from memctl.codecs.quantize import _kernels, _reference
+
+    x = torch.relu(_data(numel, bits * group))
+    payload, meta = _reference.encode(x, bits, group, 77)
+    mask = LosslessCodec().encode(x > 0).buffers["payload"]
+    floor = 1e-20
+    expected = _reference.decode(payload, meta, bits, group, numel, mask, floor)
+    out = _kernels.decode_cuda(payload.cuda(), meta.cuda(), bits, group, numel, mask.cuda(), floor)
+    assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize(("bits", "group", "numel"), [(2, 256, 4_194_311), (1, 24, 100_003), (4, 1024, 3001)])
+def test_quantize_cuda_encode_with_positive_matches_reference(bits: int, group: int, numel: int) -> None:
+    x = torch.relu(_data(numel, group))
+    codec = QuantizeCodec(group_size=group)
+    record, mask = codec.encode_with_positive(x.cuda(), bits=bits, seed=5)
+    assert mask.device.type == "cuda" and record.device.type == "cuda"
+    assert record.to_bytes() == codec.encode(x, bits=bits, seed=5, impl="reference").to_bytes()
+    assert mask.to_bytes() == LosslessCodec().encode(x > 0, impl="reference").to_bytes()
+
+
+def test_quantize_cuda_small_tensor_launch_warns_nothing() -> None:
+    """A small tensor gets a small grid on purpose: Numba's under-utilization warning stays silent."""
+    from numba.core.errors import NumbaPerformanceWarning
+
+    codec = QuantizeCodec()
+    x = torch.randn(1000, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NumbaPerformanceWarning)
+        y = codec.decode(codec.encode(x, bits=2))
+        codec.decode(QuantizeCodec(group_size=4096).encode(x, bits=4))
+    assert y.shape == x.shape
 
 
 def test_quantize_reference_on_gpu_matches_cpu_reference() -> None:

@@ -46,6 +46,23 @@ _SCRIPT = textwrap.dedent(
         assert " fast " not in ir and "contract" not in ir, "fast-math flags in " + kernel.py_func.__name__
         print("ok", kernel.py_func.__name__)
 
+    # quantize's warp-team kernels, one pair per (bits, values per lane) that the codec builds
+    from memctl.codecs.quantize import _cuda_teams
+    b1 = types.boolean
+    for bits, chunk in [(1, 16), (2, 16), (1, 8), (2, 8), (4, 8), (8, 8)]:
+        enc, dec = _cuda_teams.team_kernels(bits, chunk, False)
+        bound = (_cuda_teams.TEAM_TPB, _cuda_teams.BLOCKS_PER_SM)
+        assert enc.targetoptions["launch_bounds"] == dec.targetoptions["launch_bounds"] == bound
+        sigs = [
+            (enc, (f32, i64, i64, i64, meta, u8, i32, u8, b1)),
+            (dec, (u8, meta, i64, i64, f32, u8, b1, types.float32)),
+        ]
+        for kernel, sig in sigs:
+            cres = compile_cuda(kernel.py_func, types.void, sig, fastmath=False, cc=(9, 0))
+            ir = cres.library.get_llvm_str()
+            assert " fast " not in ir and "contract" not in ir, f"fast-math flags in teams{bits}x{chunk}"
+        print("ok", f"teams{bits}x{chunk}")
+
     # errorbound: its per-group steps, compiled for CUDA from the shared source
     from numba import cuda
     from memctl.codecs.errorbound._ops import make_group_ops
@@ -76,5 +93,7 @@ def test_cuda_kernels_type_check_for_a_real_device() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == [
         "ok", "encode", "ok", "decode", "ok", "pack", "ok", "unpack",
+        "ok", "teams1x16", "ok", "teams2x16", "ok", "teams1x8",
+        "ok", "teams2x8", "ok", "teams4x8", "ok", "teams8x8",
         "ok", "plan", "ok", "pack", "ok", "unpack_value",
     ]

@@ -1,4 +1,5 @@
-"""CUDA kernels of the ``quantize`` codec (see NOTE [ Quantize CUDA kernels ] in ``_kernels``).
+"""Block-per-group CUDA kernels of ``quantize``, which run groups larger than a warp's tile
+(NOTE [ Quantize CUDA kernels ] in ``_kernels``; smaller groups run ``_cuda_teams``).
 
 This module imports ``numba.cuda`` at its top, so it is imported only on first use (by
 :func:`memctl.codecs.quantize._kernels.cuda_kernels`); the kernels refer to ``cuda`` as a
@@ -55,8 +56,8 @@ def encode(x: Any, n: Any, group: Any, bits: Any, seed: Any, meta: Any, payload:
                 mx = v if v > mx else mx
             else:
                 nonfinite += 1
-        if nonfinite:
-            cuda.atomic.add(bad, 0, nonfinite)
+        if nonfinite:  # adding 1 (not the count) keeps ``bad`` from wrapping to 0
+            cuda.atomic.add(bad, 0, 1)
         smin[tid] = mn
         smax[tid] = mx
         cuda.syncthreads()

@@ -28,19 +28,59 @@ unpredictable as coin flips, cost ~8 ns a value (19 ms for a 2.4M-value tensor a
 thread, against 1.6 ms now; the unmasked decode takes ~1 ms).
 
 NOTE [ Quantize CUDA kernels ]
-Encode is one block of ``TPB`` threads per group (grid-stride over groups): the block
-reads the group once for a shared-memory min/max reduction (no warp shuffles, so it also
-runs in the simulator), then each thread writes whole output bytes (``8 / bits`` values
-per byte, consecutive threads on consecutive bytes, so loads and stores are coalesced).
-Non-finite values are counted with one atomic per thread that saw any, so the host reads
-a single int to decide whether to build the exception list. Decode is one block per
-group: the block fills a shared table of the ``2**bits`` levels, then each thread expands
-whole bytes. Both run on PyTorch's current stream with ``fastmath=False``.
+The first kernels gave each group of 256 values a block of 64 threads: 1 KiB of work behind
+a chain of dependent loads and eight block barriers, a second read of the values from
+global memory, 64-bit integer and float64 arithmetic per value, and a float64 division per
+level in decode. Per-block latency, not bandwidth, set their speed (an H200 encoded 2-bit
+codes at 0.14 of its copy bandwidth). The kernels of ``_cuda_teams`` work in warps instead:
+
+- A warp takes a *tile* of whole groups, ``32 * C`` values at most, with ``C`` values per
+  lane (16 at 1 and 2 bits when the group is a multiple of 16, else 8, so a lane's run never
+  crosses a group). A group is held by a *team* of ``G / C`` consecutive lanes, so a warp
+  holds ``32 // (G / C)`` groups (32 groups of 8, two of 256 at ``C = 16``). ``C`` and the
+  bit width are compile-time constants (one kernel per pair, built on first use), so the
+  loops over a lane's values unroll and the values stay in registers.
+- Loads are coalesced (lane ``l`` reads values ``32 j + l``) into a per-warp shared tile
+  padded by one word per 32, from which each lane reads its own ``C`` consecutive values
+  without bank conflicts. Encode issues the next tile's loads before coding the current
+  one, so they are in flight during the arithmetic.
+- A team's min/max is a tree over its lanes in shared memory (at most five steps); groups
+  are read once, and codes are computed from registers with the group's constants hoisted
+  (``mn64``; the scale ``B * 2**24 / R``, one float64 division per lane and tile, none per
+  value; the hash key) and one ``lowbias32`` per value. Packed bytes go through shared
+  memory again so that each store instruction writes 32 consecutive bytes. Asked for it,
+  the encode also writes the ``x > 0`` bit mask (NOTE [ Positive mask in encode ]).
+- Decode computes the 2 or 4 levels of a group once per lane (1 and 2 bits) or each value's
+  level with the reference's expression (4 and 8 bits, where a table would cost as many
+  divisions as the values), applies the mask and floor (NOTE [ Masked decode ]), and stores
+  through the shared tile so consecutive lanes write consecutive floats. It needs no
+  reduction, so its only barriers guard the shared tile; a tile's metadata, payload and mask
+  bytes are loaded one iteration ahead, while the previous tile is being stored.
+- On a GPU the hash runs on 32-bit multiplies (products truncated to 32 bits); the masked
+  64-bit form that the simulator runs (its NumPy scalars warn on overflow) stays in 64-bit
+  registers after NVVM. The same function of the index, tested against ``lowbias32``.
+- Barriers are per warp (``syncwarp``). Numba's simulator has no ``syncwarp`` (nor warp
+  shuffles), so there the kernels are built with block barriers; every loop trip count is
+  uniform over the block, so both barriers are reached by every thread equally often, and
+  warps only share data within their own slice of shared memory.
+- The grid is ``BLOCKS_PER_SM`` blocks of 128 threads per multiprocessor (read once per
+  device), the launch bound that caps registers so that all of them are resident: the
+  grid-stride loop runs in one wave. A small tensor gets a small grid on purpose; Numba's
+  under-utilization warning is filtered around that launch only.
+
+Groups larger than a warp's tile (above 512 values at 1 and 2 bits, 256 at 4 and 8) run the
+first kernels (``_cuda``): one block of ``TPB`` threads per group, a shared-memory min/max
+and one output byte per thread; there the per-group work is large enough to carry the
+per-block cost. A thread that saw a non-finite value adds 1 to a counter (one atomic, and a
+count that cannot wrap to 0), so the host reads a single int to decide whether to build the
+exception list. All kernels run
+on PyTorch's current stream with ``fastmath=False``.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -154,17 +194,60 @@ def cuda_kernels() -> Any:
     return _quantize_cuda
 
 
+def _team_kernels(bits: int, group: int) -> tuple[Any, Any] | None:
+    """The warp-team ``(encode, decode)`` for ``group`` (NOTE [ Quantize CUDA kernels ]), or
+    None when a group is larger than one warp's tile and the block-per-group kernels run."""
+    _backend.cuda()
+    from memctl.codecs.quantize import _cuda_teams
+
+    if not _cuda_teams.uses_teams(group, bits):
+        return None
+    return _cuda_teams.team_kernels(bits, _cuda_teams.chunk_for(group, bits), _backend.cuda_simulated())
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The multiprocessor count of ``device``, read once per device (1 in the simulator)."""
+    if device.type != "cuda":
+        return 1
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _team_grid(ngroups: int, group: int, bits: int, device: torch.device) -> int:
+    """Blocks for the team kernels: enough for every warp tile, at most one resident wave."""
+    from memctl.codecs.quantize import _cuda_teams
+
+    per_tile = 32 // (group // _cuda_teams.chunk_for(group, bits))
+    tiles = -(-ngroups // per_tile)
+    blocks = -(-tiles // _cuda_teams.WARPS_PER_BLOCK)
+    return max(1, min(blocks, _multiprocessors(device) * _cuda_teams.BLOCKS_PER_SM))
+
+
+def _configure(kernel: Any, grid: int, block: int, stream: Any) -> Any:
+    """``kernel[grid, block, stream]`` without Numba's "Grid size N will likely result in GPU
+    under-utilization" warning: a small tensor gets a small grid on purpose."""
+    from numba.core.errors import NumbaPerformanceWarning
+
+    with warnings.catch_warnings():
+        # the message may start with terminal highlighting codes (Numba's warning classes add them)
+        warnings.filterwarnings("ignore", message=".*Grid size", category=NumbaPerformanceWarning)
+        return kernel[grid, block, stream]
+
+
 def _grid(ngroups: int) -> int:
     return max(1, min(ngroups, 65535 * 16))
 
 
 def encode_cuda(
-    x: torch.Tensor, bits: int, group: int, seed: int
+    x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, non-finite count)``.
+    """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, flag)``, the
+    flag non-zero when some value is non-finite (the number of threads that saw one).
 
     On a real GPU ``x`` is a CUDA tensor and the outputs stay on its device; in the simulator
     (NOTE [ CUDA simulator ]) a CPU tensor is accepted and the outputs are CPU tensors.
+    ``positive``: ``ceil(n / 8)`` uint8 on ``x``'s device that receive the bit mask of ``x > 0``
+    (NOTE [ Positive mask in encode ]); the team kernels write it in the same pass.
     """
     dev = x.device
     n = x.numel()
@@ -174,14 +257,33 @@ def encode_cuda(
     if n == 0:
         return payload, meta, 0
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    k = cuda_kernels()
     d_payload = _backend.to_device_array(payload)
     d_meta = _backend.to_device_array(meta)
     d_bad = _backend.to_device_array(bad)
     stream = _backend.torch_stream(dev)
-    k.encode[_grid(ngroups), k.TPB, stream](
-        _backend.to_device_array(x), n, group, bits, seed, d_meta, d_payload, d_bad
-    )
+    teams = _team_kernels(bits, group)
+    d_x = _backend.to_device_array(x)
+    if teams is not None:
+        from memctl.codecs.quantize import _cuda_teams
+
+        d_positive = _backend.to_device_array(
+            torch.zeros(1, dtype=torch.uint8, device=dev) if positive is None else positive
+        )
+        grid = _team_grid(ngroups, group, bits, dev)
+        _configure(teams[0], grid, _cuda_teams.TEAM_TPB, stream)(
+            d_x, n, group, seed, d_meta, d_payload, d_bad, d_positive, positive is not None
+        )
+        if positive is not None and dev.type != "cuda":  # the simulator worked on a copy
+            positive.copy_(_backend.from_device_array(d_positive, dev))
+    else:
+        k = cuda_kernels()
+        _configure(k.encode, _grid(ngroups), k.TPB, stream)(
+            d_x, n, group, bits, seed, d_meta, d_payload, d_bad
+        )
+        if positive is not None:
+            from memctl.codecs.lossless import _reference as _lossless_reference
+
+            positive.copy_(_lossless_reference.pack(x > 0))
     payload = _backend.from_device_array(d_payload, dev)
     meta = _backend.from_device_array(d_meta, dev)
     count = int(_backend.from_device_array(d_bad, dev)[0].item())  # NOTE [ Exception list ]: one sync
@@ -200,10 +302,16 @@ def decode_cuda(
         return out
     d_out = _backend.to_device_array(out)
     stream = _backend.torch_stream(dev)
-    k = cuda_kernels()
     bits_arr = torch.zeros(1, dtype=torch.uint8, device=dev) if mask is None else mask
-    k.decode[_grid(meta.shape[0]), k.TPB, stream](
-        _backend.to_device_array(payload), _backend.to_device_array(meta), n, group, bits, d_out,
-        _backend.to_device_array(bits_arr), mask is not None, np.float32(floor),
-    )
+    args = (_backend.to_device_array(payload), _backend.to_device_array(meta), n, group)
+    tail = (d_out, _backend.to_device_array(bits_arr), mask is not None, np.float32(floor))
+    teams = _team_kernels(bits, group)
+    if teams is not None:
+        from memctl.codecs.quantize import _cuda_teams
+
+        grid = _team_grid(meta.shape[0], group, bits, dev)
+        _configure(teams[1], grid, _cuda_teams.TEAM_TPB, stream)(*args, *tail)
+    else:
+        k = cuda_kernels()
+        _configure(k.decode, _grid(meta.shape[0]), k.TPB, stream)(*args, bits, *tail)
     return _backend.from_device_array(d_out, dev)

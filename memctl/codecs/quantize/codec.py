@@ -52,9 +52,11 @@ A ReLU output keeps the bit mask of its positive values next to its record (NOTE
 masks ] in ``memctl/controller/packing.py``): ``lossless.encode(t > 0)``, a comparison
 pass and a packing pass over the whole tensor. ``encode_with_positive`` writes the same
 lossless record, byte for byte, from inside the CPU encode kernel, per group while the
-group's values sit in L1 after the min/max pass, so the tensor is read once. The other
-implementations (the reference, the CUDA kernels) compute ``t > 0`` and call the lossless
-codec: the bytes are the same.
+group's values sit in L1 after the min/max pass, so the tensor is read once; the CUDA team
+kernels write it from the values each lane holds in registers (NOTE [ Quantize CUDA kernels ]
+in ``_kernels``). The reference computes ``t > 0`` and calls the lossless codec, and so do
+the CUDA paths without a one-pass kernel (groups larger than a warp's tile, and the
+reference that runs after a CUDA compile failure): the bytes are the same.
 
 NOTE [ Masked decode ]
 ``decode(p, mask=m)`` takes the bit mask of the values that must come back positive (a
@@ -213,11 +215,11 @@ class QuantizeCodec:
     def encode_with_positive(
         self, t: torch.Tensor, *, bits: int | None = None, seed: int = 0, impl: Impl | str | None = None
     ) -> tuple[Packed, Packed]:
-        """``(encode(t, ...), lossless.encode(t > 0))`` byte for byte, in one pass over ``t`` on the
-        CPU (NOTE [ Positive mask in encode ])."""
+        """``(encode(t, ...), lossless.encode(t > 0))`` byte for byte, in one pass over ``t`` by the
+        CPU and CUDA kernels (NOTE [ Positive mask in encode ])."""
         _backend.require_tensor(t, _NAME)
         chosen = _backend.resolve_impl(impl, t.device)
-        if chosen is not Impl.CPU or t.dtype not in FLOAT_DTYPES:
+        if chosen is Impl.REFERENCE or t.dtype not in FLOAT_DTYPES:
             from memctl.codecs.lossless.codec import LosslessCodec
 
             record = self.encode(t, bits=bits, seed=seed, impl=chosen)
@@ -226,8 +228,11 @@ class QuantizeCodec:
         s = _rng.check_seed(seed)
         g = self.config.group_size
         flat = _flat_float32(t)
-        positive = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8)
-        payload, meta, nonfinite = _quantize_kernels.encode_cpu(flat, b, g, s, positive)
+        positive = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8, device=flat.device)
+        if chosen is Impl.CPU:
+            payload, meta, nonfinite = _quantize_kernels.encode_cpu(flat, b, g, s, positive)
+        else:
+            payload, meta, nonfinite = self._encode_cuda_with_positive(flat, b, g, s, positive)
         if nonfinite:
             exc_index, exc_value = _exceptions(flat)
         else:
@@ -244,6 +249,23 @@ class QuantizeCodec:
         mask = Packed(codec="lossless", shape=shape, dtype=torch.bool, device=t.device,
                       buffers={"payload": positive}, params={"layout": "bits"})
         return record, mask
+
+    def _encode_cuda_with_positive(
+        self, flat: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The CUDA encode that also fills ``positive`` (NOTE [ Positive mask in encode ]); after a
+        compile failure, the reference and the lossless reference's packing (NOTE [ CUDA fallback ])."""
+
+        def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
+            from memctl.codecs.lossless import _reference as _lossless_reference
+
+            payload, meta = _reference.encode(flat, bits, group, seed)
+            positive.copy_(_lossless_reference.pack(flat > 0))
+            return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
+
+        return self._cuda.run(
+            lambda: _quantize_kernels.encode_cuda(flat, bits, group, seed, positive), reference
+        )
 
     def _no_exceptions(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty exception buffers for ``device``, made once: every record without a non-finite
