@@ -23,6 +23,7 @@ import ctypes
 import functools
 import importlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,14 +42,18 @@ class DirectLaunch:
     Args:
         kernel: a ``numba.cuda.jit`` kernel (not configured with ``[grid, block]``).
         name: for the warning when the direct path fails.
+        configure: ``(kernel, grid, block, stream) -> launchable`` for the usual launch (default
+            ``kernel[grid, block, stream]``).
 
     Attributes:
         broken: the direct path failed once; every launch goes through Numba's from then on.
     """
 
-    def __init__(self, kernel: Any, name: str) -> None:
+    def __init__(self, kernel: Any, name: str,
+                 configure: Callable[[Any, int, int, Any], Any] | None = None) -> None:
         self.kernel = kernel
         self.name = name
+        self._configure = configure
         self.broken = False
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
         self._functions: dict[tuple[int, int], Any] = {}
@@ -96,7 +101,11 @@ class DirectLaunch:
 
     def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> None:
         converted = [_backend.to_device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
-        self.kernel[grid, block, _backend.torch_stream(device)](*converted)
+        stream = _backend.torch_stream(device)
+        if self._configure is None:
+            self.kernel[grid, block, stream](*converted)
+        else:
+            self._configure(self.kernel, grid, block, stream)(*converted)
 
     def _find(self, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
         """The compiled kernel for ``args`` (launched once already) and its argument types."""

@@ -57,3 +57,24 @@ def test_direct_launch_writes_what_the_usual_launch_writes() -> None:
         assert torch.equal(_kernels.unpack_cuda(second, n), mask)
     assert not _kernels._direct("pack").broken and _kernels._direct("pack")._compiled
     assert not _kernels._direct("unpack").broken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a real CUDA device")
+@pytest.mark.parametrize("group", [256, 4096])  # warp teams, and the block-per-group kernels
+def test_direct_quantize_launches_match_the_reference(group: int) -> None:
+    import warnings
+
+    from memctl.codecs.quantize.codec import QuantizeCodec
+
+    codec = QuantizeCodec(group_size=group)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*direct kernel launch failed")
+        for n in (100, 70_001, 3_000_000):  # the first compiles; the others launch directly
+            x = torch.randn(n, generator=gen).relu_()
+            ref = codec.encode(x, bits=2, seed=5, impl="reference")
+            got = codec.encode(x.cuda(), bits=2, seed=5)
+            assert got.to_bytes() == ref.to_bytes()
+            mask = (x > 0).cuda()
+            assert torch.equal(codec.decode(got, mask=mask).cpu(), codec.decode(ref, mask=x > 0))
