@@ -111,7 +111,7 @@ from memctl.controller.regions import RELU, Interval, Partition, RegionCode, Reg
 from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
-from memctl.controller.versions import SavedRef, check_version
+from memctl.controller.versions import SavedRef, autograd_wording, check_version
 from memctl.errors import CodecError
 
 __all__ = ["Alias", "Packer", "Saved"]
@@ -169,6 +169,7 @@ class Packer:
         choice_for: Callable[[str], tuple[float, float | None]],
         on_fallback: Callable[[str, BaseException], None],
     ) -> None:
+        autograd_wording()  # read outside any backward (NOTE [ In-place checks ])
         self._config = config
         self._tracker = tracker
         self._choice_for = choice_for

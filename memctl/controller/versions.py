@@ -10,16 +10,22 @@ backward()``, would silently use the changed weight. memctl therefore records
 ``t._version`` when it packs a tensor and compares at unpack: a parameter (passed
 through, not copied) is checked always; a compressed activation is checked while the
 tensor it came from is alive (once that tensor is gone, nothing can modify it). The
-error is the ``RuntimeError`` plain PyTorch raises, with its wording.
+error is the ``RuntimeError`` plain PyTorch raises, with its wording. That wording moves
+between releases (torch 2.13 names the node ``AsStrided`` and hints at
+``set_detect_anomaly(True, check_nan=False)``; earlier ones name it ``AsStridedBackward0``
+and hint at ``set_detect_anomaly(True)``), so the node's spelling and the hint are read once
+from an error the installed PyTorch raises itself (:func:`autograd_wording`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import warnings
 
 import torch
 
-__all__ = ["SavedRef", "check_version"]
+__all__ = ["SavedRef", "autograd_wording", "check_version"]
 
 _BACKWARD = re.compile(r"Backward\d*$")
 
@@ -43,17 +49,60 @@ def check_version(tensor: torch.Tensor, saved_version: int) -> None:
     current = tensor._version
     if current == saved_version:
         return
+    suffix, hints = autograd_wording()
     grad_fn = tensor.grad_fn
-    # autograd's message names the node without its "Backward0" suffix ("Exp", "AsStrided")
-    which = f", which is output {tensor.output_nr} of {_BACKWARD.sub('', grad_fn.name())}," if grad_fn else ""
-    if torch.is_anomaly_enabled():
-        hint = ("Hint: the backtrace further above shows the operation that failed to compute its "
-                "gradient. The variable in question was changed in there or anywhere later. Good luck!")
-    else:
-        hint = ("Hint: enable anomaly detection to find the operation that failed to compute its "
-                "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+    which = ""
+    if grad_fn is not None:
+        name = grad_fn.name() if suffix else _BACKWARD.sub("", grad_fn.name())
+        which = f", which is output {tensor.output_nr} of {name},"
+    hint = hints[torch.is_anomaly_enabled()]
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "
         f"operation: [{tensor.type()} {list(tensor.shape)}]{which} is at version {current}; "
-        f"expected version {saved_version} instead. {hint}"
+        f"expected version {saved_version} instead.{hint}"
     )
+
+
+_HINTS = (
+    " Hint: enable anomaly detection to find the operation that failed to compute its "
+    "gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).",
+    " Hint: the backtrace further above shows the operation that failed to compute its "
+    "gradient. The variable in question was changed in there or anywhere later. Good luck!",
+)
+
+
+@functools.cache
+def autograd_wording() -> tuple[bool, tuple[str, str]]:
+    """``(whether the node keeps its "Backward0" suffix, (hint, hint in anomaly mode))`` as the
+    installed PyTorch words its in-place error (NOTE [ In-place checks ]); torch 2.13's wording
+    when no error can be provoked here."""
+    suffix = False
+    hints = list(_HINTS)
+    for anomaly in (False, True):
+        text = _provoke(anomaly)
+        if text is None:
+            continue
+        if anomaly is False:
+            match = re.search(r"which is output 0 of ([A-Za-z0-9_]+),", text)
+            suffix = bool(match and _BACKWARD.search(match.group(1)))
+        start = text.find("instead.")
+        if start >= 0:
+            hints[anomaly] = text[start + len("instead."):].split("\n")[0].rstrip()
+    return suffix, (hints[0], hints[1])
+
+
+def _provoke(anomaly: bool) -> str | None:
+    """The message of a real in-place error, raised by autograd without saved-tensor hooks."""
+    try:
+        with torch.enable_grad(), torch.autograd.graph.disable_saved_tensors_hooks("memctl probe"), \
+                warnings.catch_warnings(), torch.autograd.set_detect_anomaly(anomaly):
+            warnings.simplefilter("ignore")
+            a = torch.ones(2, requires_grad=True)
+            b = a.exp()  # saves its result
+            with torch.no_grad():
+                b.add_(1.0)
+            b.sum().backward()
+    except RuntimeError as exc:
+        text = str(exc)
+        return text if "modified by an inplace operation" in text else None
+    return None

@@ -554,3 +554,21 @@ TestHookLifecycle.settings = settings(
     max_examples=25, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_in_place_wording_follows_the_installed_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ In-place checks ]: an older PyTorch's wording (node with its suffix, other hint) is
+    what memctl's error then says."""
+    from memctl.controller import versions
+
+    monkeypatch.setattr(versions, "autograd_wording",
+                        lambda: (True, (" Hint: an older hint.", " Hint: an older anomaly hint.")))
+    a = torch.ones(3, requires_grad=True)
+    b = a.exp()
+    saved_version = b._version
+    with torch.no_grad():
+        b.add_(1.0)
+    with pytest.raises(RuntimeError) as info:
+        versions.check_version(b, saved_version)
+    assert "which is output 0 of ExpBackward0," in str(info.value)
+    assert str(info.value).endswith("expected version 0 instead. Hint: an older hint.")
