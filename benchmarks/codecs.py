@@ -177,6 +177,44 @@ def reference_ratios(datasets: dict[str, torch.Tensor]) -> list[str]:
     return lines
 
 
+SMALL_SIZES = (1024, 65536, 1 << 20)
+
+
+def per_call_table(device: torch.device, reps: int) -> list[str]:
+    """Microseconds per call on small tensors (wall time over ``reps`` calls, one sync after them):
+    what a launch costs where the data is too small for throughput to matter, against PyTorch's
+    own launch (``torch.clone``) and the codec's PyTorch reference."""
+    def per_call(fn: Callable[[], object], n: int = reps) -> float:
+        fn()
+        fn()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - start) / n * 1e6
+
+    lines = [f"{'values':>9}{'clone':>9}{'q enc':>9}{'q dec':>9}{'q dec+mask':>11}{'l enc':>9}{'l dec':>9}"
+             f"{'q enc ref':>11}"]
+    for n in SMALL_SIZES:
+        _progress(f"per call: {n} values")
+        lines.append(f"{n:>9}" + "".join(f"{v:>{w}.1f}" for v, w in
+                                         zip(_small_row(n, device, per_call), (9, 9, 9, 11, 9, 9, 11),
+                                             strict=True)))
+    return lines
+
+
+def _small_row(n: int, device: torch.device, per_call: Callable[..., float]) -> list[float]:
+    quantize, lossless = codecs.get("quantize"), codecs.get("lossless")
+    x = relu_activation(n, device, 0)
+    record = quantize.encode(x, bits=2)
+    mask = lossless.encode(x > 0)
+    return [per_call(lambda: x.clone()), per_call(lambda: quantize.encode(x, bits=2)),
+            per_call(lambda: quantize.decode(record)), per_call(lambda: quantize.decode(record, mask=mask)),
+            per_call(lambda: lossless.encode(x > 0)), per_call(lambda: lossless.decode(mask)),
+            per_call(lambda: quantize.encode(x, bits=2, impl="reference"), 3)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--numel", type=int, default=None, help="values per tensor (default 64M)")
@@ -184,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per figure (best is kept)")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK_NUMEL} values, 2 repeats")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calls", type=int, default=300, help="calls per small-tensor figure")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.calls = min(args.calls, 20)
     numel = args.numel if args.numel is not None else (QUICK_NUMEL if args.quick else 64 * 2**20)
     repeat = 2 if args.quick else args.repeat
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -201,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth (torch.clone, best over the run, GB/s of input): {gb / copy_s:.2f}")
     print()
     for line in table:
+        print(line)
+    print()
+    print(f"per call on small tensors, microseconds (2 bits; q: quantize, l: lossless; ref: the PyTorch "
+          f"reference; {args.calls} calls, one sync after them)")
+    for line in per_call_table(device, args.calls):
         print(line)
     print()
     print("compression ratio at the same absolute bound (SZ3: pysz ABS mode; ZFP: zfpy fixed accuracy)")
