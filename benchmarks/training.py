@@ -1,9 +1,11 @@
 """Training side by side: plain PyTorch, memctl, activation checkpointing, CPU offloading.
 
 Four models (a 4-block residual CNN, batch 32, 3x48x48; a 4-layer transformer LM, d 256,
-seq 256, batch 16; a 2-layer GRU, seq 48; a 3-layer MLP, batch 64), each trained for a few
-steps with the same data and seed under each method, every (model, method) pair in its own
-process:
+seq 256, batch 16; a 2-layer GRU, seq 48; a 3-layer MLP, batch 64), and, when asked for with
+``--models``, torchvision's ResNet-18 (batch 32, 3x64x64, checkpointed per residual stage)
+and a 4-layer Hugging Face GPT-2 (d 256, seq 256, batch 8, checkpointed by transformers'
+own ``gradient_checkpointing_enable``), each trained for a few steps with the same data and
+seed under each method, every (model, method) pair in its own process:
 
 - ``plain``: PyTorch as it is.
 - ``memctl``: ``Controller(model, optimizer, bits=2)``, the default policy at 2 bits.
@@ -55,6 +57,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODELS = ("cnn", "transformer", "gru", "mlp")
+EXTERNAL = ("resnet18", "gpt2")
+"""Models from torchvision and transformers, run when asked for (``--models resnet18,gpt2``)."""
 METHODS = ("plain", "memctl", "memctl-default", "memctl-budget", "checkpoint", "save_on_cpu")
 
 
@@ -120,7 +124,7 @@ class _Last(nn.Module):
 Batch = Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
 
 
-def build(name: str, scale: int = 1) -> tuple[_Chain, Batch]:
+def build(name: str, scale: int = 1) -> tuple[_Chain | _External, Batch]:
     """The model and a function drawing one batch ``(input, target)``, of ``scale`` times the batch size."""
     if name == "cnn":
         c = 32
@@ -153,7 +157,75 @@ def build(name: str, scale: int = 1) -> tuple[_Chain, Batch]:
         )
         return model, lambda g: (torch.randn(64 * scale, 784, generator=g),
                                  torch.randint(0, 10, (64 * scale,), generator=g))
-    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if name in EXTERNAL:
+        return _external(name, scale)
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS + EXTERNAL)}")
+
+
+class _Checkpointed(nn.Module):
+    """A block run under ``torch.utils.checkpoint`` when ``on`` (the ``checkpoint`` method)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False) if self.on else self.inner(x)  # type: ignore[no-any-return]
+
+
+class _External(nn.Module):
+    """A torchvision or transformers model behind :class:`_Chain`'s interface: logits out, and
+    ``checkpointed`` switching checkpointing per residual stage (ResNet) or per layer
+    (transformers' own ``gradient_checkpointing_enable``)."""
+
+    def __init__(self, model: nn.Module, stages: list[_Checkpointed], lm: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.stages = stages
+        self.lm = lm
+
+    @property
+    def checkpointed(self) -> bool:
+        return any(s.on for s in self.stages) or bool(getattr(self.model, "is_gradient_checkpointing", False))
+
+    @checkpointed.setter
+    def checkpointed(self, on: bool) -> None:
+        for s in self.stages:
+            s.on = on
+        if self.lm and on:
+            self.model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm:
+            return self.model(input_ids=x).logits.flatten(0, 1)  # type: ignore[no-any-return]
+        return self.model(x)  # type: ignore[no-any-return]
+
+
+def _external(name: str, scale: int) -> tuple[_External, Batch]:
+    """ResNet-18 (batch 32, 3x64x64) or a 4-layer GPT-2 (d 256, seq 256, batch 8), times ``scale``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fidelity  # handles a torchvision built for another torch, and transformers' import of it
+
+    if name == "resnet18":
+        model = fidelity.import_torchvision_models().resnet18(num_classes=10)
+        stages = []
+        for stage in ("layer1", "layer2", "layer3", "layer4"):
+            wrapped = _Checkpointed(getattr(model, stage))
+            setattr(model, stage, wrapped)
+            stages.append(wrapped)
+        return _External(model, stages, lm=False), lambda g: (
+            torch.randn(32 * scale, 3, 64, 64, generator=g), torch.randint(0, 10, (32 * scale,), generator=g))
+    fidelity.prepare_torchvision()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    seq, vocab = 256, 1000
+    lm = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=vocab, n_positions=seq,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return _External(lm, [], lm=True), lambda g: (
+        torch.randint(0, vocab, (8 * scale, seq), generator=g),
+        torch.randint(0, vocab, (8 * scale * seq,), generator=g))
 
 
 # -- one configuration (child process) --------------------------------------------------------
