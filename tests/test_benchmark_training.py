@@ -26,3 +26,21 @@ def test_training_benchmark_runs_each_method_in_its_own_process() -> None:
     # the forward's peak can only be at or above what it leaves held (both MiB)
     assert all(float(r[6]) >= float(r[4]) for r in rows), out.stdout
     assert all(float(r[2]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_gpt2_runs_and_its_checkpointing_holds_less() -> None:
+    """A transformers model behind the same interface: transformers' own checkpointing is on."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", "gpt2", "--methods", "plain,memctl,checkpoint",
+         "--steps", "1", "--warmup", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r[1]: r for r in (line.split() for line in out.stdout.splitlines() if line.startswith("gpt2 "))}
+    assert set(rows) == {"plain", "memctl", "checkpoint"}, out.stdout
+    assert all(len(r) == 9 for r in rows.values()), out.stdout
+    held = {method: float(r[4]) for method, r in rows.items()}
+    assert held["checkpoint"] < 0.5 * held["plain"], out.stdout
+    assert held["memctl"] < 0.5 * held["plain"], out.stdout
