@@ -11,7 +11,8 @@ then on lays out the kernel's parameters itself, the way Numba's ``_Kernel.launc
 array as ``(meminfo, parent, size, itemsize, data, *shape, *strides in bytes)`` with null
 meminfo and parent, a scalar as the ctypes value of its Numba type. It reads the pointer,
 shape and strides straight from the tensor. Only C-contiguous CUDA tensors and plain scalars
-take this path; anything else, Numba's simulator, and every call after the direct path has
+take this path; anything else, Numba's simulator (where the tensors written are copied back,
+the kernel having run on copies), and every call after the direct path has
 failed once (an internal of numba-cuda that moved, say: it warns once) go through the usual
 launch, so a numba-cuda release that changes these internals costs speed, never results. The
 GPU tier checks the direct path byte for byte against the usual one.
@@ -70,8 +71,7 @@ class DirectLaunch:
         entry = self._compiled.get(key)
         try:
             if entry is None:
-                self._usual(grid, block, device, args)
-                self._compiled[key] = self._find(args)
+                self._compiled[key] = self._find(self._usual(grid, block, device, args))
                 return
             kernel, types = entry
             params: list[Any] = []
@@ -99,20 +99,37 @@ class DirectLaunch:
         launch(_core_stream(torch.cuda.current_stream(device).cuda_stream), _config(grid, block), function,
                *params)
 
-    def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> None:
+    def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> list[Any]:
+        """Launch through Numba's dispatcher; returns the arguments as Numba saw them.
+
+        In the simulator (NOTE [ CUDA simulator ]) a CPU tensor reaches the kernel as a copy, so
+        every tensor whose bytes the kernel changed is copied back into it afterwards.
+        """
         converted = [_backend.to_device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
         stream = _backend.torch_stream(device)
         if self._configure is None:
             self.kernel[grid, block, stream](*converted)
         else:
             self._configure(self.kernel, grid, block, stream)(*converted)
+        if device.type != "cuda":
+            for a, arr in zip(args, converted, strict=True):
+                if isinstance(a, torch.Tensor):
+                    _copy_back(a, _backend.from_device_array(arr, device))
+        return converted
 
-    def _find(self, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-        """The compiled kernel for ``args`` (launched once already) and its argument types."""
-        converted = [_backend.to_device_array(a) if isinstance(a, torch.Tensor) else a for a in args]
+    def _find(self, converted: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+        """The compiled kernel for the arguments of the launch that compiled it, and its argument types."""
         types = tuple(self.kernel.typeof_pyval(a) for a in converted)
         kernel = self.kernel.overloads[types]
         return kernel, tuple(kernel.argument_types)
+
+
+def _copy_back(t: torch.Tensor, written: torch.Tensor) -> None:
+    """Copy the simulator's result into ``t`` when its bytes differ (an unchanged input keeps its
+    version counter, which autograd's in-place checks read)."""
+    before = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(written.reshape(-1).view(torch.uint8), before):
+        t.copy_(written.reshape(t.shape))
 
 
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:

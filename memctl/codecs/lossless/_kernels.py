@@ -107,15 +107,8 @@ def pack_cuda(mask: torch.Tensor) -> torch.Tensor:
     out = torch.empty(-(-n // 8), dtype=torch.uint8, device=dev)
     if n == 0:
         return out
-    if dev.type == "cuda":
-        _direct("pack")(-(-out.numel() // _TPB), _TPB, dev, mask.view(torch.uint8), n, out)
-        return out
-    d_out = _backend.to_device_array(out)
-    blocks = -(-out.numel() // _TPB)
-    cuda_kernels().pack[blocks, _TPB, _backend.torch_stream(dev)](
-        _backend.to_device_array(mask.view(torch.uint8)), n, d_out
-    )
-    return _backend.from_device_array(d_out, dev)
+    _direct("pack")(-(-out.numel() // _TPB), _TPB, dev, mask.view(torch.uint8), n, out)
+    return out
 
 
 def unpack_cuda(payload: torch.Tensor, n: int) -> torch.Tensor:
@@ -124,11 +117,5 @@ def unpack_cuda(payload: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.uint8, device=dev)
     if n == 0:
         return out.view(torch.bool)
-    if dev.type == "cuda":
-        _direct("unpack")(-(-n // _TPB), _TPB, dev, payload, n, out)
-        return out.view(torch.bool)
-    d_out = _backend.to_device_array(out)
-    cuda_kernels().unpack[-(-n // _TPB), _TPB, _backend.torch_stream(dev)](
-        _backend.to_device_array(payload), n, d_out
-    )
-    return _backend.from_device_array(d_out, dev).view(torch.bool)
+    _direct("unpack")(-(-n // _TPB), _TPB, dev, payload, n, out)
+    return out.view(torch.bool)

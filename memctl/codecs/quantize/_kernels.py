@@ -258,40 +258,21 @@ def encode_cuda(
     if n == 0:
         return payload, meta, 0
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    if dev.type == "cuda":
-        _encode_direct(x, bits, group, seed, positive, payload, meta, bad)
-        return payload, meta, int(bad.item())  # NOTE [ Exception list ]: one sync
-    d_payload = _backend.to_device_array(payload)
-    d_meta = _backend.to_device_array(meta)
-    d_bad = _backend.to_device_array(bad)
-    stream = _backend.torch_stream(dev)
     teams = _team_kernels(bits, group)
-    d_x = _backend.to_device_array(x)
     if teams is not None:
         from memctl.codecs.quantize import _cuda_teams
 
-        d_positive = _backend.to_device_array(
-            torch.zeros(1, dtype=torch.uint8, device=dev) if positive is None else positive
-        )
-        grid = _team_grid(ngroups, group, bits, dev)
-        _configure(teams[0], grid, _cuda_teams.TEAM_TPB, stream)(
-            d_x, n, group, seed, d_meta, d_payload, d_bad, d_positive, positive is not None
-        )
-        if positive is not None and dev.type != "cuda":  # the simulator worked on a copy
-            positive.copy_(_backend.from_device_array(d_positive, dev))
+        mask = _placeholder(dev) if positive is None else positive
+        _direct(teams[0])(_team_grid(ngroups, group, bits, dev), _cuda_teams.TEAM_TPB, dev,
+                          x, n, group, seed, meta, payload, bad, mask, positive is not None)
     else:
         k = cuda_kernels()
-        _configure(k.encode, _grid(ngroups), k.TPB, stream)(
-            d_x, n, group, bits, seed, d_meta, d_payload, d_bad
-        )
+        _direct(k.encode)(_grid(ngroups), k.TPB, dev, x, n, group, bits, seed, meta, payload, bad)
         if positive is not None:
             from memctl.codecs.lossless import _reference as _lossless_reference
 
             positive.copy_(_lossless_reference.pack(x > 0))
-    payload = _backend.from_device_array(d_payload, dev)
-    meta = _backend.from_device_array(d_meta, dev)
-    count = int(_backend.from_device_array(d_bad, dev)[0].item())  # NOTE [ Exception list ]: one sync
-    return payload, meta, count
+    return payload, meta, int(bad.item())  # NOTE [ Exception list ]: one sync
 
 
 def decode_cuda(
@@ -304,27 +285,21 @@ def decode_cuda(
     out = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return out
-    if dev.type == "cuda":
-        _decode_direct(payload, meta, bits, group, n, mask, floor, out)
-        return out
-    d_out = _backend.to_device_array(out)
-    stream = _backend.torch_stream(dev)
-    bits_arr = torch.zeros(1, dtype=torch.uint8, device=dev) if mask is None else mask
-    args = (_backend.to_device_array(payload), _backend.to_device_array(meta), n, group)
-    tail = (d_out, _backend.to_device_array(bits_arr), mask is not None, np.float32(floor))
+    bits_arr = _placeholder(dev) if mask is None else mask
+    tail = (out, bits_arr, mask is not None, np.float32(floor))
     teams = _team_kernels(bits, group)
     if teams is not None:
         from memctl.codecs.quantize import _cuda_teams
 
-        grid = _team_grid(meta.shape[0], group, bits, dev)
-        _configure(teams[1], grid, _cuda_teams.TEAM_TPB, stream)(*args, *tail)
+        _direct(teams[1])(_team_grid(meta.shape[0], group, bits, dev), _cuda_teams.TEAM_TPB, dev,
+                          payload, meta, n, group, *tail)
     else:
         k = cuda_kernels()
-        _configure(k.decode, _grid(meta.shape[0]), k.TPB, stream)(*args, bits, *tail)
-    return _backend.from_device_array(d_out, dev)
+        _direct(k.decode)(_grid(meta.shape[0]), k.TPB, dev, payload, meta, n, group, bits, *tail)
+    return out
 
 
-# -- a real GPU: kernels launched directly on the tensors (NOTE [ Direct kernel launch ]) ------
+# -- launches: directly on the tensors on a GPU (NOTE [ Direct kernel launch ]) ------------------
 @functools.lru_cache(maxsize=64)
 def _direct(kernel: Any) -> DirectLaunch:
     return DirectLaunch(kernel, "quantize", _configure)
@@ -334,40 +309,3 @@ def _direct(kernel: Any) -> DirectLaunch:
 def _placeholder(device: torch.device) -> torch.Tensor:
     """A one-byte buffer for a mask argument a kernel does not read (or write) this time."""
     return torch.zeros(1, dtype=torch.uint8, device=device)
-
-
-def _encode_direct(x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None,
-                   payload: torch.Tensor, meta: torch.Tensor, bad: torch.Tensor) -> None:
-    dev = x.device
-    n = x.numel()
-    ngroups = meta.shape[0]
-    teams = _team_kernels(bits, group)
-    if teams is not None:
-        from memctl.codecs.quantize import _cuda_teams
-
-        mask = _placeholder(dev) if positive is None else positive
-        _direct(teams[0])(_team_grid(ngroups, group, bits, dev), _cuda_teams.TEAM_TPB, dev,
-                          x, n, group, seed, meta, payload, bad, mask, positive is not None)
-        return
-    k = cuda_kernels()
-    _direct(k.encode)(_grid(ngroups), k.TPB, dev, x, n, group, bits, seed, meta, payload, bad)
-    if positive is not None:
-        from memctl.codecs.lossless import _reference as _lossless_reference
-
-        positive.copy_(_lossless_reference.pack(x > 0))
-
-
-def _decode_direct(payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
-                   mask: torch.Tensor | None, floor: float, out: torch.Tensor) -> None:
-    dev = payload.device
-    bits_arr = _placeholder(dev) if mask is None else mask
-    tail = (out, bits_arr, mask is not None, np.float32(floor))
-    teams = _team_kernels(bits, group)
-    if teams is not None:
-        from memctl.codecs.quantize import _cuda_teams
-
-        _direct(teams[1])(_team_grid(meta.shape[0], group, bits, dev), _cuda_teams.TEAM_TPB, dev,
-                          payload, meta, n, group, *tail)
-        return
-    k = cuda_kernels()
-    _direct(k.decode)(_grid(meta.shape[0]), k.TPB, dev, payload, meta, n, group, bits, *tail)
