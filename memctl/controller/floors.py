@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTENTION", "NORM", "RECENT", "FloorTracker", "Raise"]
+__all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "FloorTracker", "Raise"]
 
 RECENT = 6
 """Compressed records that wait for the op that saved them (query, key, value, logsumexp, ...)."""
@@ -107,13 +107,15 @@ _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackwar
                     "TBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0",
                     "AsStridedBackward0", "CloneBackward0"})
 _WALK_NODES = 16
-# Consumers that do not release a recent record (NOTE [ Releasing inputs early ] in regions.py):
-# views pass it on, and a matrix product may be an attention's, known once its softmax shows up.
-_HOLDING = _VIEWS | {"BmmBackward0", "MmBackward0"}
 
 # An explicit attention: softmax(scale · q @ kᵀ (+ mask)) @ v (NOTE [ Bit floors ]).
 _SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 _MATMULS = frozenset({"BmmBackward0", "MmBackward0"})
+
+HOLDING = _VIEWS | _MATMULS
+"""Consumers that do not release a recent record (NOTE [ Releasing inputs early ] in regions.py):
+views and copies pass it on, and a matrix product may be an attention's, known once its softmax
+shows up."""
 _SCALING = _VIEWS | {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0",
                      "AddBackward1", "SubBackward0", "SubBackward1", "MaskedFillBackward0",
                      "MaskedFillBackward1", "WhereBackward0"}
@@ -273,7 +275,7 @@ class FloorTracker:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
                     found += self._inputs_of(matmul, self._floors[ATTENTION], False)
-            if op is None and name not in _HOLDING and self._recent and not _is_rms_norm(node):
+            if op is None and name not in HOLDING and self._recent and not _is_rms_norm(node):
                 self._release(node)  # NOTE [ Releasing inputs early ] in regions.py
             step = 0 if name in _VIEWS else 1
             if depth + step <= _WALK_DEPTH:

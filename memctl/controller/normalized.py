@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WIDE_BITS", "Chain", "chain_of", "is_wide", "verified", "widen"]
+__all__ = ["BATCH_NORM", "WIDE_BITS", "Chain", "chain_of", "is_wide", "verified", "widen"]
 
 Function = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,7 +76,7 @@ WIDE_BITS = 16
 
 # The CPU's node and the GPU's: cuDNN's saves the same fields (its ``result2`` is the inverse
 # standard deviation too) but names epsilon ``_saved_epsilon`` (seen on an H200, torch 2.11).
-_BATCH_NORM = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
+BATCH_NORM = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
 # grad_fn name -> the elementwise op between the batch norm and the packed tensor.
 _AFTER: dict[str, Callable[[torch.Tensor], torch.Tensor] | None] = {
     "CloneBackward0": None,  # an in-place activation's copy of x: x itself
@@ -139,7 +139,7 @@ def chain_of(t: torch.Tensor) -> Chain | None:
         node, nr = node.next_functions[0] if node.next_functions else (None, 0)
         if node is None or int(nr) != 0:
             return None
-    if type(node).__name__ not in _BATCH_NORM or not node.next_functions:
+    if type(node).__name__ not in BATCH_NORM or not node.next_functions:
         return None
     source, nr = node.next_functions[0]
     if source is None:

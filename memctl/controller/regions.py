@@ -95,7 +95,9 @@ from typing import Any
 import torch
 
 from memctl.codecs.base import mask_floor
+from memctl.controller import floors
 from memctl.controller.derived import DerivableOutputs
+from memctl.controller.normalized import BATCH_NORM
 
 __all__ = ["HOLDING", "PENDING", "RELU", "SMOOTH", "Interval", "Partition", "RegionCode", "RegionTracker",
            "result_partition"]
@@ -103,16 +105,11 @@ __all__ = ["HOLDING", "PENDING", "RELU", "SMOOTH", "Interval", "Partition", "Reg
 PENDING = 2
 """How many recently packed inputs wait for the op that saved them (NOTE [ Finding ... ])."""
 
-HOLDING = frozenset({
-    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0", "TBackward0",
-    "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0", "AsStridedBackward0",
-    "CloneBackward0", "BmmBackward0", "MmBackward0",
-    "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0",
-})
+HOLDING = floors.HOLDING | BATCH_NORM
 """Nodes whose consumption of a pending input does not release it (NOTE [ Releasing inputs early ]):
-views and copies pass the tensor on, a matrix product may be an attention's, which the bit
-floors recognise only once its softmax shows up, and a batch norm's input may become its output's
-record."""
+the bit floors' (views and copies pass the tensor on; a matrix product may be an attention's,
+which the floors recognise only once its softmax shows up), and batch norms, whose input may
+become their output's record."""
 
 _WALK_DEPTH = 3
 _WALK_NODES = 24
