@@ -391,9 +391,13 @@ class Packer:
         for region in saved.regions:
             if region is fused:
                 continue
-            code = torch.zeros(saved.shape, dtype=torch.uint8, device=out.device)
-            for bit, plane in enumerate(region.planes):
-                code |= self._codec("lossless").decode(plane).to(torch.uint8) << bit
+            lossless = self._codec("lossless")
+            if len(region.planes) == 1:  # NOTE [ One-plane projection ] in regions.py
+                code = lossless.decode(region.planes[0])
+            else:
+                code = torch.zeros(saved.shape, dtype=torch.uint8, device=out.device)
+                for bit, plane in enumerate(region.planes):
+                    code |= lossless.decode(plane).to(torch.uint8) << bit
             out = region.partition.project(out, code)
         self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
@@ -730,18 +734,7 @@ class Packer:
         if meta is not None and meta.dim() == 2 and meta.shape[1] == 2:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
         else:
-            flat = t.detach().reshape(-1).float()
-            pad = (-flat.numel()) % g
-            finite = torch.isfinite(flat)
-            lo_src = torch.where(finite, flat, torch.inf)
-            hi_src = torch.where(finite, flat, -torch.inf)
-            if pad:
-                lo_src = torch.nn.functional.pad(lo_src, (0, pad), value=torch.inf)
-                hi_src = torch.nn.functional.pad(hi_src, (0, pad), value=-torch.inf)
-            lo = lo_src.view(-1, g).amin(dim=1)
-            hi = hi_src.view(-1, g).amax(dim=1)
-            ok = torch.isfinite(lo) & torch.isfinite(hi)
-            lo, hi = torch.where(ok, lo, 0.0), torch.where(ok, hi, 0.0)
+            lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
         rng = (hi.double() - lo.double())
         rec.range_terms.append(rng.square().sum() * g)
         rec.mins.append(lo.min())
@@ -780,6 +773,34 @@ def _nbytes(p: Packed) -> int:
     for b in p.buffers.values():
         n += b.nbytes
     return n
+
+
+def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's (min, max) over its finite values of a flat float32 tensor, (0, 0) for a
+    group with none (NOTE [ Range statistics ]).
+
+    On a CPU one ``aminmax`` pass over the groups comes first: it is the answer unless some
+    group holds a non-finite value (its min or max is then non-finite), which is rare. On a
+    GPU, where that check would wait for the device, and for those rare tensors, non-finite
+    values are masked out first (three passes more).
+    """
+    numel = flat.numel()
+    whole = numel - numel % g
+    if flat.device.type == "cpu" and whole == numel and numel:
+        lo, hi = flat.view(-1, g).aminmax(dim=1)
+        if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
+            return lo, hi
+    finite = torch.isfinite(flat)
+    lo_src = torch.where(finite, flat, torch.inf)
+    hi_src = torch.where(finite, flat, -torch.inf)
+    pad = (-numel) % g
+    if pad:
+        lo_src = torch.nn.functional.pad(lo_src, (0, pad), value=torch.inf)
+        hi_src = torch.nn.functional.pad(hi_src, (0, pad), value=-torch.inf)
+    lo = lo_src.view(-1, g).amin(dim=1)
+    hi = hi_src.view(-1, g).amax(dim=1)
+    ok = torch.isfinite(lo) & torch.isfinite(hi)
+    return torch.where(ok, lo, 0.0), torch.where(ok, hi, 0.0)
 
 
 def _alive(ref: weakref.ref[Saved]) -> bool:

@@ -179,6 +179,15 @@ class Partition:
                 out.masked_fill_(iv.contains(x), iv.code)
         return out
 
+    def _two_intervals(self) -> tuple[Interval, Interval] | None:
+        """The partition's intervals of code 0 and 1, when it has exactly one of each."""
+        if len(self.intervals) != 2:
+            return None
+        a, b = self.intervals
+        if {a.code, b.code} != {0, 1}:
+            return None
+        return (a, b) if a.code == 0 else (b, a)
+
     def planes(self, x: torch.Tensor) -> Iterator[torch.Tensor]:
         """The code's bit planes (bool tensors), lowest bit first."""
         if self.bits == 1:  # one plane: where any interval of code 1 holds (ReLU's x > 0)
@@ -194,8 +203,30 @@ class Partition:
             yield (code >> bit) & 1 == 1
 
     def project(self, v: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
-        """Each value of ``v`` moved to the nearest point of the region its ``code`` names."""
+        """Each value of ``v`` moved to the nearest point of the region its ``code`` names.
+
+        ``code`` is the uint8 branch index, or, for a 1-bit partition, its one bool plane.
+        """
         codes = [iv.code for iv in self.intervals]
+        if code.dtype is torch.bool:
+            two = self._two_intervals()
+            if two is not None:
+                # NOTE [ One-plane projection ]
+                # A 1-bit code with one interval per code (ReLU's result, leaky_relu, threshold,
+                # the one-sided clamps) moves each value with one select between the two
+                # clamped copies, reading the decoded bool plane as it is: no uint8 code is
+                # built and no per-code comparison is made (five passes over the tensor fewer).
+                # NaN stays NaN: both clamps keep it. When the code-0 region is the single
+                # point 0 (ReLU's result), the select is a product with the plane, which
+                # PyTorch's CPU kernels run about 3x faster than ``torch.where``; NaN * 0 is
+                # still NaN. The product differs from the select only for a value decoded as
+                # +inf where the original was <= 0, which no codec returns: each decodes a
+                # finite value finite and puts a non-finite one back as it was.
+                low, high = two
+                if low.lo == low.hi == 0.0 and not (low.lo_open or low.hi_open):
+                    return high.clamp(v).mul_(code)
+                return torch.where(code, high.clamp(v), low.clamp(v))
+            code = code.to(torch.uint8)
         if len(set(codes)) == len(codes):  # one interval per code: no nearest-of-two choice
             out = v
             for iv in self.intervals:

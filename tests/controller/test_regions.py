@@ -121,6 +121,35 @@ def test_decoded_values_stay_in_their_region(name: str, shape: list[int], data: 
     torch.testing.assert_close(_torch_grad(name, v), _branch_grad(name, codes, v), rtol=1e-5, atol=0)
 
 
+ONE_PLANE = [n for n in OPS if _partition(n).bits == 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted([*ONE_PLANE, "relu_result"])), n=st.integers(1, 40), data=st.data())
+def test_one_plane_projection_is_the_code_projection(name: str, n: int, data: st.DataObject) -> None:
+    """NOTE [ One-plane projection ]: a 1-bit code read as its bool plane projects every value
+    exactly as the uint8 code does, NaN included, for what a codec can return: a finite or NaN
+    value, or the original's own infinity."""
+    if name == "relu_result":
+        part = result_partition(torch.relu(torch.randn(2, requires_grad=True) * 1.0).grad_fn)
+        thresholds: tuple[float, ...] = (0.0,)
+    else:
+        part, thresholds = _partition(name), OPS[name][1]
+    assert part is not None and part.bits == 1
+    special = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0])
+    value = st.one_of(st.sampled_from(_near(thresholds)), st.floats(-8.0, 8.0, width=32), special)
+    x = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32)
+    q = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32)
+    q = torch.where(x.isinf(), x, torch.where(q.isinf(), math.nan, q))
+    codes = part.codes(x)
+    plane = next(iter(part.planes(x)))
+    assert torch.equal(plane, codes == 1)
+    expected = part.project(q, codes)
+    got = part.project(q, plane)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
+
+
 @settings(max_examples=30, deadline=None)
 @given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
 def test_relu_result_region_keeps_exact_zeros(shape: list[int], data: st.DataObject) -> None:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import memctl
@@ -125,3 +127,23 @@ def test_calibration_off_keeps_the_closed_form(fraction: float) -> None:
         if "variance_predicted" in e:
             assert e["variance_measured"] == {}
             assert e["variance_predicted"] == pytest.approx(e["variance_closed_form"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(groups=st.integers(1, 6), tail=st.integers(0, 7), data=st.data())
+def test_group_ranges_skip_non_finite_values(groups: int, tail: int, data: st.DataObject) -> None:
+    """NOTE [ Range statistics ]: each group's (min, max) over its finite values, (0, 0) for a
+    group with none, on the one-pass path and the masked one alike."""
+    from memctl.controller.packing import _group_ranges
+
+    g = 8
+    n = groups * g + tail
+    special = st.sampled_from([math.nan, math.inf, -math.inf])
+    value = st.one_of(st.floats(-100.0, 100.0, width=32), special)
+    flat = torch.tensor(data.draw(st.lists(value, min_size=n, max_size=n)), dtype=torch.float32)
+    lo, hi = _group_ranges(flat, g)
+    padded = torch.cat([flat, torch.full(((-n) % g,), math.nan)]).view(-1, g)
+    for i, row in enumerate(padded):
+        finite = row[torch.isfinite(row)]
+        want = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 0.0)
+        assert (float(lo[i]), float(hi[i])) == want
