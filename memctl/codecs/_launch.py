@@ -56,7 +56,7 @@ class DirectLaunch:
         self.name = name
         self._configure = configure
         self.broken = False
-        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
+        self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[_Setter, ...]]] = {}
         self._functions: dict[tuple[int, int], Any] = {}
 
     def __call__(self, grid: int, block: int, device: torch.device, *args: Any) -> None:
@@ -73,10 +73,10 @@ class DirectLaunch:
             if entry is None:
                 self._compiled[key] = self._find(self._usual(grid, block, device, args))
                 return
-            kernel, types = entry
+            kernel, setters = entry
             params: list[Any] = []
-            for ty, value in zip(types, args, strict=True):
-                _param(ty, value, params)
+            for setter, value in zip(setters, args, strict=True):
+                setter(value, params)
             self._launch(kernel, grid, block, device, params)
         except Exception as exc:  # an internal of numba-cuda that moved: launch the usual way from now on
             self.broken = True
@@ -90,7 +90,7 @@ class DirectLaunch:
                 self._usual(grid, block, device, args)
 
     def _launch(self, kernel: Any, grid: int, block: int, device: torch.device, params: list[Any]) -> None:
-        launch = importlib.import_module("cuda.core").launch
+        launch = _core().launch
         index = device.index if device.index is not None else torch.cuda.current_device()
         function = self._functions.get((id(kernel), index))
         if function is None:
@@ -117,11 +117,12 @@ class DirectLaunch:
                     _copy_back(a, _backend.from_device_array(arr, device))
         return converted
 
-    def _find(self, converted: list[Any]) -> tuple[Any, tuple[Any, ...]]:
-        """The compiled kernel for the arguments of the launch that compiled it, and its argument types."""
+    def _find(self, converted: list[Any]) -> tuple[Any, tuple[_Setter, ...]]:
+        """The compiled kernel for the arguments of the launch that compiled it, and the setters of
+        its parameters (one per argument, chosen once: a launch then only calls them)."""
         types = tuple(self.kernel.typeof_pyval(a) for a in converted)
         kernel = self.kernel.overloads[types]
-        return kernel, tuple(kernel.argument_types)
+        return kernel, tuple(_setter(ty) for ty in kernel.argument_types)
 
 
 def _copy_back(t: torch.Tensor, written: torch.Tensor) -> None:
@@ -148,24 +149,41 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return tuple(key)
 
 
+_Setter = Callable[[Any, list[Any]], None]
+
+
 def _param(ty: Any, value: Any, out: list[Any]) -> None:
     """Append the kernel parameters of one argument, as Numba's ``_Kernel._prepare_args`` lays them out."""
+    _setter(ty)(value, out)
+
+
+def _array(value: Any, out: list[Any]) -> None:
+    itemsize = value.element_size()
+    strides = [itemsize * s for s in value.stride()]
+    out += [0, 0, value.numel(), itemsize, value.data_ptr(), *value.shape, *strides]
+
+
+def _setter(ty: Any) -> _Setter:
+    """The function appending the parameters of an argument of Numba type ``ty`` (see :func:`_param`)."""
     types = importlib.import_module("numba.cuda.types")
     if isinstance(ty, types.Array):
-        shape = tuple(value.shape)
-        itemsize = value.element_size()
-        strides = [itemsize * s for s in value.stride()]
-        out += [0, 0, value.numel(), itemsize, value.data_ptr(), *shape, *strides]
-    elif isinstance(ty, types.Integer):
-        out.append(getattr(ctypes, f"c_{ty}")(int(value)))
-    elif ty == types.float32:
-        out.append(ctypes.c_float(float(value)))
-    elif ty == types.float64:
-        out.append(ctypes.c_double(float(value)))
-    elif ty == types.boolean:
-        out.append(bool(value))
-    else:
-        raise TypeError(f"no direct layout for a kernel argument of type {ty}")
+        return _array
+    if isinstance(ty, types.Integer):
+        ctype = getattr(ctypes, f"c_{ty}")
+        return lambda value, out: out.append(ctype(int(value)))
+    if ty == types.float32:
+        return lambda value, out: out.append(ctypes.c_float(float(value)))
+    if ty == types.float64:
+        return lambda value, out: out.append(ctypes.c_double(float(value)))
+    if ty == types.boolean:
+        return lambda value, out: out.append(bool(value))
+    raise TypeError(f"no direct layout for a kernel argument of type {ty}")
+
+
+@functools.cache
+def _core() -> Any:
+    """The ``cuda.core`` module, imported on the first direct launch."""
+    return importlib.import_module("cuda.core")
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,7 +195,7 @@ def _core_stream(handle: int) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _config(grid: int, block: int) -> Any:
-    launch_config = importlib.import_module("cuda.core").LaunchConfig
+    launch_config = _core().LaunchConfig
     if importlib.import_module("numba.cuda._compat").CUDA_CORE_GE_1_0:
         return launch_config(grid=grid, block=block, shmem_size=0, is_cooperative=False)
     return launch_config(grid=grid, block=block, shmem_size=0, cooperative_launch=False)

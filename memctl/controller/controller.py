@@ -49,7 +49,7 @@ from memctl.controller.probe_share import apply_share, replay_module, share_prob
 from memctl.controller.publication import Publication
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
-from memctl.controller.stats import LayerState, median_grad_sq
+from memctl.controller.stats import LayerState, median_grad_sq, read_scalars
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -413,9 +413,10 @@ class Controller:
                 state.mask_bytes = 0
                 state.numels = ()
                 state.used_bits = None
-        for name, rec in records.items():
+        scalars = read_scalars(list(records.values()))  # NOTE [ One read-back per step ]
+        for (name, rec), row in zip(records.items(), scalars, strict=True):
             state = self._layers.setdefault(name, LayerState(name=name))
-            state.update(rec, batch=batch, decay=self.config.ema_decay)
+            state.update(rec, batch=batch, decay=self.config.ema_decay, scalars=row)
         seen = [s for s in self._layers.values() if s.raw_bytes or s.other_bytes]
         self._totals = {
             "raw_bytes": sum(s.raw_bytes for s in seen),

@@ -176,7 +176,7 @@ def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | 
         return None
     mean = mean.detach().float().reshape(-1)
     invstd = invstd.detach().float().reshape(-1)
-    if not bool((invstd > 0).all()) or not bool(torch.isfinite(invstd).all()):
+    if not bool(((invstd > 0) & torch.isfinite(invstd)).all()):  # one read-back, not two
         return None
     weight = node._saved_weight
     gamma = torch.ones_like(mean) if weight is None else weight.detach().float().reshape(-1)
@@ -212,6 +212,7 @@ def is_wide(data: Any) -> bool:
 def widen(source: torch.Tensor) -> torch.Tensor | None:
     """``source`` (float32) in half precision, or None where that would overflow."""
     wide = source.detach().to(torch.float16)
-    if bool(torch.isfinite(wide).all()) != bool(torch.isfinite(source).all()):
+    # One read-back: the half copy may not be non-finite where the source is finite.
+    if not bool(torch.isfinite(wide).all() == torch.isfinite(source).all()):
         return None
     return wide
