@@ -63,12 +63,14 @@ def _rank(rank: int, world: int, port: int, config: str, args: dict[str, Any], o
     model = torch.nn.Sequential(*layers).to(device)
     wrapped: torch.nn.Module
     if config.startswith("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh(device.type, (world,))  # fully_shard's default is CUDA wherever it exists
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        wrapped = fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     else:
         from torch.nn.parallel import DistributedDataParallel
 

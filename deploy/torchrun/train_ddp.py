@@ -117,12 +117,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = SmallCNN().to(device)
     ddp: nn.Module
     if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the training device: fully_shard's default takes CUDA wherever CUDA is
+        # available, which hangs a Gloo run on the CPU of such a machine.
+        mesh = init_device_mesh(device.type, (world,))
         for stage in model.features:
             if any(True for _ in stage.parameters()):
-                fully_shard(stage)  # each stage's parameters are gathered only while it runs
-        ddp = fully_shard(model)
+                fully_shard(stage, mesh=mesh)  # each stage's parameters are gathered only while it runs
+        ddp = fully_shard(model, mesh=mesh)
         attach_to = model
     else:
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

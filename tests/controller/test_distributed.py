@@ -139,6 +139,20 @@ def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True, base_port: int =
     ctl.detach()
 
 
+_MESH: list[Any] = []
+
+
+def _cpu_mesh() -> Any:
+    """One CPU device mesh over every rank, made once per process. ``fully_shard``'s default
+    mesh takes the CUDA device type wherever CUDA is available, and a CUDA mesh over this Gloo
+    run hangs in its group's creation."""
+    if not _MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH.append(init_device_mesh("cpu", (dist.get_world_size(),)))
+    return _MESH[0]
+
+
 def _fsdp_model(mesh_seed: int = 0) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -146,8 +160,8 @@ def _fsdp_model(mesh_seed: int = 0) -> torch.nn.Module:
     model = _model()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=_cpu_mesh())
+    fully_shard(model, mesh=_cpu_mesh())
     return model
 
 
@@ -221,8 +235,8 @@ def _wrap(model: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for child in model.children():
-        fully_shard(child)
-    return fully_shard(model)
+        fully_shard(child, mesh=_cpu_mesh())
+    return fully_shard(model, mesh=_cpu_mesh())
 
 
 def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any], fsdp: bool = False) -> None:
