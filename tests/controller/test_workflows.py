@@ -294,7 +294,9 @@ def _weight_changed(attached: bool) -> str:
 
 def test_weight_changed_between_forward_and_backward_raises_like_plain_pytorch() -> None:
     plain = _weight_changed(attached=False)
-    assert "[torch.FloatTensor [128, 10]], which is output 0 of AsStrided," in plain
+    # The tensor's description is in every PyTorch's wording; the rest (torch 2.13 adds "which
+    # is output 0 of AsStrided,") varies between releases, and memctl's must equal it as it is.
+    assert "[torch.FloatTensor [128, 10]]" in plain
     assert _weight_changed(attached=True) == plain
 
 
@@ -335,7 +337,7 @@ def _activation_modified(attached: bool) -> str:
 
 def test_activation_modified_in_place_raises_like_plain_pytorch() -> None:
     plain = _activation_modified(attached=False)
-    assert "which is output 0 of Exp," in plain
+    assert "[torch.FloatTensor [32, 10]]" in plain
     assert _activation_modified(attached=True) == plain
 
 
