@@ -59,6 +59,7 @@ floors), never a wrong value. Floors apply to the ``quantize`` codec's records;
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,15 +252,18 @@ class FloorTracker:
         """
         if not self._recent or t.grad_fn is None:
             return []
-        nodes = [r.node for r in self._recent.values() if r.node is not None]
-        if not nodes:
+        keyed: dict[tuple[int, int], list[_Recent]] = {}
+        for r in self._recent.values():
+            if r.key is not None:
+                keyed.setdefault(r.key, []).append(r)
+        if not keyed:
             return []
-        oldest = min(n._sequence_nr() for n in nodes)
+        oldest = min(rs[0].node._sequence_nr() for rs in keyed.values())
         found: list[Raise] = []
-        frontier: list[tuple[Any, int]] = [(t.grad_fn, 0)]
+        frontier: deque[tuple[Any, int]] = deque([(t.grad_fn, 0)])
         seen: set[int] = set()
         while frontier and len(seen) < _WALK_NODES and self._recent:
-            node, depth = frontier.pop(0)
+            node, depth = frontier.popleft()
             if id(node) in seen:
                 continue
             seen.add(id(node))
@@ -267,26 +271,34 @@ class FloorTracker:
                 continue
             name = type(node).__name__
             op = _OPS.get(name)
+            rms = op is None and name == "MulBackward0" and _is_rms_norm(node)
             if op is not None and op.inputs and op.kind in self._floors:
                 found += self._inputs_of(node, self._floors[op.kind], op.exact_extras)
-            elif NORM in self._floors and _is_rms_norm(node):
+            elif NORM in self._floors and rms:
                 found += self._inputs_of(node, self._floors[NORM], False)
             elif ATTENTION in self._floors:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
                     found += self._inputs_of(matmul, self._floors[ATTENTION], False)
-            if op is None and name not in HOLDING and self._recent and not _is_rms_norm(node):
-                self._release(node)  # NOTE [ Releasing inputs early ] in regions.py
+            edges = node.next_functions
+            if op is None and name not in HOLDING and self._recent and not rms:
+                self._release(edges, keyed)  # NOTE [ Releasing inputs early ] in regions.py
             step = 0 if name in _VIEWS else 1
             if depth + step <= _WALK_DEPTH:
-                frontier.extend((e[0], depth + step) for e in node.next_functions if e[0] is not None)
+                frontier.extend((e[0], depth + step) for e in edges if e[0] is not None)
         return found
 
-    def _release(self, node: Any) -> None:
-        """Drop the recent records ``node`` (an op with no floor) consumed."""
-        keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
-        for r in [r for r in self._recent.values() if r.key is not None and keys.get(r.key) is r.node]:
-            del self._recent[r.order]
+    def _release(self, edges: Any, keyed: dict[tuple[int, int], list[_Recent]]) -> None:
+        """Drop the recent records an op with no floor consumed (``edges``: its inputs; ``keyed``:
+        the recent records by autograd key, kept in step with the deletions)."""
+        for parent, nr in edges:
+            if parent is None:
+                continue
+            rs = keyed.get((id(parent), int(nr)))
+            if rs is not None and rs[0].node is parent:
+                del keyed[(id(parent), int(nr))]
+                for r in rs:
+                    self._recent.pop(r.order, None)
 
     def _inputs_of(self, node: Any, bits: int | None, extras_exact: bool) -> list[Raise]:
         keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
