@@ -209,7 +209,7 @@ def loss_of(spec: Spec, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tens
         return model(input_ids=x, labels=y).loss
     if spec.kind == "mlm":
         g = torch.Generator().manual_seed(int(x[0, 0]))
-        masked = torch.rand(x.shape, generator=g) < 0.15
+        masked = (torch.rand(x.shape, generator=g) < 0.15).to(x.device)
         inputs = x.masked_fill(masked, 0)
         return model(input_ids=inputs, labels=y.masked_fill(~masked, -100)).loss
     out = model(x)
@@ -271,25 +271,38 @@ def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     return total + sum(int(r.nbytes) for r in getattr(saved, "regions", ()))
 
 
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU generator's state and, where CUDA is in use, every CUDA device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved: int,
-               threads: int) -> dict[str, Any]:
+               threads: int, device: str = "cpu") -> dict[str, Any]:
     if threads > 0:
         torch.set_num_threads(threads)
     import memctl
 
     spec = SPECS[model_name]
+    dev = torch.device(device)
     torch.manual_seed(seed)
-    model = spec.build()
+    model = spec.build().to(dev)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    batches = make_batches(spec, steps, seed)
+    batches = [(x.to(dev), y.to(dev)) for x, y in make_batches(spec, steps, seed)]
     result: dict[str, Any] = {"model": model_name, "config": config}
     if config == "cos8":
         x, y = batches[0]
         reference = _copy_model(model)
-        rng = torch.get_rng_state()
+        rng = _rng_state()
         loss_of(spec, reference, x, y).backward()
-        torch.set_rng_state(rng)
+        _set_rng_state(rng)
         ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), monitor_interval_s=0)
         loss_of(spec, model, x, y).backward()
         a, b = _flat_grad(model).double(), _flat_grad(reference).double()
@@ -348,6 +361,8 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
     result["time_s"] = time.perf_counter() - t0
     result["losses"] = losses
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if dev.type == "cuda":
+        result["peak_cuda_mib"] = torch.cuda.max_memory_allocated(dev) / 2**20
     if ctl is not None:
         s = ctl.stats()
         result["ratio"] = s["raw_bytes"] / max(s["packed_bytes"], 1)
@@ -373,7 +388,7 @@ def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor
     (batch statistics, as the training steps see them) and with the same random draws
     (dropout, stochastic depth) in every run: a less noisy end point than the last steps'
     losses, whose values follow each run's own trajectory."""
-    rng = torch.get_rng_state()
+    rng = _rng_state()
     total = []
     buffers = [b.detach().clone() for b in model.buffers()]
     with torch.no_grad():
@@ -382,7 +397,7 @@ def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor
             total.append(float(loss_of(spec, model, x, y)))
         for b, saved in zip(model.buffers(), buffers, strict=True):
             b.copy_(saved)  # BatchNorm's running statistics as training left them
-    torch.set_rng_state(rng)
+    _set_rng_state(rng)
     return _mean(total)
 
 
@@ -521,9 +536,10 @@ def _copy_model(model: nn.Module) -> nn.Module:
 
 # -- the driver ---------------------------------------------------------------------------------
 def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int,
-                timeout: float, threads: int) -> dict[str, Any]:
+                timeout: float, threads: int, device: str = "cpu") -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, config, "--steps", str(steps),
-           "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads)]
+           "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads),
+           "--device", device]
     return run_child(cmd, threads, timeout, {"model": model, "config": config})
 
 
@@ -610,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch/Numba threads per process (0: their defaults); 1 keeps a busy machine fair")
     ap.add_argument("--out", default="", help="folder for raw results (JSON per model)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) to train every run on a GPU")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--plain-saved", type=int, default=0, help=argparse.SUPPRESS)
@@ -620,9 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker:
         result = run_worker(args.worker[0], args.worker[1], args.steps, args.seed, args.plain_saved,
-                            args.threads)
+                            args.threads, args.device)
         print("RESULT " + json.dumps(result))
         return 0
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch.cuda.is_available() is False here; use --device cpu")
     steps = min(args.steps, 3) if args.quick else args.steps
     configs = [c for c in args.configs.split(",") if c and c != "plain"]
     if args.quick:
@@ -634,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# memctl fidelity benchmark, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
-    print(f"# {steps} steps, seed {args.seed}, {args.threads or 'default'} thread(s) per process; {TARGETS}")
+    print(f"# {steps} steps, seed {args.seed}, device {args.device}, {args.threads or 'default'} thread(s) "
+          f"per process; {TARGETS}")
     print(HEADER)
     for name in models:
         spec = SPECS[name]
@@ -644,16 +664,17 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rows: dict[str, dict[str, Any]] = {}
         _progress(f"{name}: plain")
-        rows["plain"] = _run_config(name, "plain", steps, args.seed, 0, args.timeout, args.threads)
+        rows["plain"] = _run_config(name, "plain", steps, args.seed, 0, args.timeout, args.threads,
+                                    args.device)
         plain_saved = int(rows["plain"].get("saved_bytes", 0))
         if not args.quick:
             _progress(f"{name}: cos8")
             rows["cos8"] = _run_config(name, "cos8", steps, args.seed, plain_saved, args.timeout,
-                                       args.threads)
+                                       args.threads, args.device)
         for config in configs:
             _progress(f"{name}: {config}")
             rows[config] = _run_config(name, config, steps, args.seed, plain_saved, args.timeout,
-                                       args.threads)
+                                       args.threads, args.device)
         for line in summarise(rows):
             print(line, flush=True)
         audit_lines = summarise_audit(name, rows.get("varcheck", {}).get("audit") or [])
