@@ -22,6 +22,7 @@ as bool masks are, so every implementation writes the same bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 __all__ = ["Window", "codes", "find_window", "indices"]
 
 _MIN_NUMEL = 64
+
 _DTYPES = (torch.int32, torch.int64)
 
 
@@ -72,13 +74,22 @@ def _offsets(planes: torch.Tensor, w: Window) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _fits(planes: torch.Tensor, w: Window) -> bool:
+    return _codes_if_inside(planes, w) is not None
+
+
+def _codes_if_inside(planes: torch.Tensor, w: Window) -> torch.Tensor | None:
+    """The flat window codes ``dh·size_w + dw`` of ``planes`` under ``w``, or None when some index
+    lies outside its window (one division pass serves both)."""
     dh, dw = _offsets(planes, w)
     inside = (dh >= 0) & (dh < w.size_h) & (dw >= 0) & (dw < w.size_w)
-    return bool(inside.all())
+    if not bool(inside.all()):
+        return None
+    return (dh * w.size_w + dw).reshape(-1)
 
 
-def _candidates(oh: int, ow: int) -> list[Window]:
-    out = []
+@functools.lru_cache(maxsize=64)
+def _candidates(oh: int, ow: int) -> tuple[Window, ...]:
+    out: dict[Window, None] = {}  # ordered, without repeats
     for k in (2, 3, 4):
         for s in (k, 2, 1, 3, 4):
             for p in range(k // 2 + 1):
@@ -86,14 +97,19 @@ def _candidates(oh: int, ow: int) -> list[Window]:
                     continue
                 base = (ow - 1) * s + k - 2 * p  # input width for floor mode; ceil mode: up to s-1 less
                 for width in range(max(base - s + 1, 1), base + s):
-                    w = Window(width, s, s, p, p, k, k)
-                    if w not in out:
-                        out.append(w)
-    return out
+                    out[Window(width, s, s, p, p, k, k)] = None
+    return tuple(out)
 
 
 def find_window(x: torch.Tensor) -> Window | None:
     """A geometry under which every index of ``x`` lies in its window (NOTE [ Window codes ])."""
+    found = window_codes(x)
+    return None if found is None else found[0]
+
+
+def window_codes(x: torch.Tensor) -> tuple[Window, list[torch.Tensor]] | None:
+    """:func:`find_window` and :func:`codes` in one: the geometry and the code planes, computed
+    from the same pass over the whole tensor."""
     if x.dtype not in _DTYPES or x.dim() < 3 or x.numel() < _MIN_NUMEL:
         return None
     oh, ow = x.shape[-2], x.shape[-1]
@@ -103,8 +119,10 @@ def find_window(x: torch.Tensor) -> Window | None:
     values = [int(v) for v in first[[r for r, _ in corners], [c for _, c in corners]].tolist()]
     for w in _candidates(oh, ow):
         if w.bits < 8 and all(_fits_one(v, r, c, w) for v, (r, c) in zip(values, corners, strict=True)) \
-                and _fits(first, w) and _fits(planes, w):
-            return w
+                and _fits(first, w):
+            code = _codes_if_inside(planes, w)
+            if code is not None:
+                return w, _bit_planes(code, w)
     return None
 
 
@@ -118,7 +136,10 @@ def codes(x: torch.Tensor, w: Window) -> list[torch.Tensor]:
     """The window codes of ``x`` as ``w.bits`` flat bool planes, least significant first."""
     oh, ow = x.shape[-2], x.shape[-1]
     dh, dw = _offsets(x.reshape(-1, oh, ow), w)
-    code = (dh * w.size_w + dw).reshape(-1)
+    return _bit_planes((dh * w.size_w + dw).reshape(-1), w)
+
+
+def _bit_planes(code: torch.Tensor, w: Window) -> list[torch.Tensor]:
     return [((code >> b) & 1).to(torch.bool) for b in range(w.bits)]
 
 
@@ -126,11 +147,15 @@ def indices(planes: list[torch.Tensor], w: Window, shape: tuple[int, ...],
             dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`codes`: the original index tensor."""
     oh, ow = shape[-2], shape[-1]
-    code = torch.zeros(planes[0].shape, dtype=torch.int64, device=planes[0].device)
-    for b, plane in enumerate(planes):
-        code |= plane.to(torch.int64) << b
-    code = code.view(-1, oh, ow)
-    rows, cols = _origins(w, oh, ow, code.device)
-    ih = rows + torch.div(code, w.size_w, rounding_mode="floor")
-    iw = cols + torch.remainder(code, w.size_w)
-    return (ih * w.width + iw).reshape(shape).to(dtype)
+    device = planes[0].device
+    code = planes[0].to(torch.uint8)
+    for b, plane in enumerate(planes[1:], start=1):
+        code |= plane.to(torch.uint8) << b
+    # index = (row origin + dh)·W + col origin + dw = base[oh, ow] + step[code], with the
+    # window's few steps dh·W + dw in a table: no integer division over the tensor.
+    cells = torch.arange(w.size_h * w.size_w, device=device, dtype=torch.int64)
+    step = torch.div(cells, w.size_w, rounding_mode="floor") * w.width + torch.remainder(cells, w.size_w)
+    rows, cols = _origins(w, oh, ow, device)
+    base = rows * w.width + cols
+    out = step[code.to(torch.int64)].view(-1, oh, ow) + base
+    return out.reshape(shape).to(dtype)

@@ -93,8 +93,8 @@ class LosslessCodec:
         if t.dtype is torch.bool:
             buffers["payload"] = self._pack(chosen, flat.contiguous())
             layout = "bits"
-        elif (window := _window.find_window(t.detach())) is not None:
-            planes = _window.codes(t.detach(), window)
+        elif (found := _window.window_codes(t.detach())) is not None:
+            window, planes = found
             buffers["payload"] = torch.cat([self._pack(chosen, plane.contiguous()) for plane in planes])
             return Packed(codec=_NAME, shape=tuple(t.shape), dtype=t.dtype, device=t.device, buffers=buffers,
                           params={"layout": "window", "bits": window.bits, **window.to_params()})
