@@ -140,7 +140,8 @@ def codes(x: torch.Tensor, w: Window) -> list[torch.Tensor]:
 
 
 def _bit_planes(code: torch.Tensor, w: Window) -> list[torch.Tensor]:
-    return [((code >> b) & 1).to(torch.bool) for b in range(w.bits)]
+    small = code.to(torch.uint8)  # a code is below 16 (a window of at most 4x4): 1 byte, not 8
+    return [((small >> b) & 1).to(torch.bool) for b in range(w.bits)]
 
 
 def indices(planes: list[torch.Tensor], w: Window, shape: tuple[int, ...],
