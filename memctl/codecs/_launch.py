@@ -152,11 +152,6 @@ def _signature(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
 _Setter = Callable[[Any, list[Any]], None]
 
 
-def _param(ty: Any, value: Any, out: list[Any]) -> None:
-    """Append the kernel parameters of one argument, as Numba's ``_Kernel._prepare_args`` lays them out."""
-    _setter(ty)(value, out)
-
-
 def _array(value: Any, out: list[Any]) -> None:
     itemsize = value.element_size()
     strides = [itemsize * s for s in value.stride()]
@@ -164,7 +159,8 @@ def _array(value: Any, out: list[Any]) -> None:
 
 
 def _setter(ty: Any) -> _Setter:
-    """The function appending the parameters of an argument of Numba type ``ty`` (see :func:`_param`)."""
+    """The function appending the kernel parameters of an argument of Numba type ``ty``, laid out as
+    Numba's ``_Kernel._prepare_args`` lays them out."""
     types = importlib.import_module("numba.cuda.types")
     if isinstance(ty, types.Array):
         return _array

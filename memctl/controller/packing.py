@@ -785,8 +785,7 @@ def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tenso
     values are masked out first (three passes more).
     """
     numel = flat.numel()
-    whole = numel - numel % g
-    if flat.device.type == "cpu" and whole == numel and numel:
+    if flat.device.type == "cpu" and numel and numel % g == 0:
         lo, hi = flat.view(-1, g).aminmax(dim=1)
         if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
             return lo, hi

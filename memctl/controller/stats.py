@@ -150,14 +150,13 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
     by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
     for i, step in enumerate(steps):
         parts = (
-            (0, step.mins, torch.float32, "min"), (1, step.maxs, torch.float32, "max"),
-            (2, step.range_terms, torch.float64, "sum"), (3, step.grad_sq, torch.float64, "sum"),
+            (0, step.mins, torch.float32, torch.min), (1, step.maxs, torch.float32, torch.max),
+            (2, step.range_terms, torch.float64, torch.sum), (3, step.grad_sq, torch.float64, torch.sum),
         )
-        for column, values, dtype, how in parts:
+        for column, values, dtype, reduce in parts:
             if values:
-                folded = _fold(values, dtype)
-                value = folded.min() if how == "min" else folded.max() if how == "max" else folded.sum()
-                by_device.setdefault(value.device, []).append((i, column, value.double()))
+                value = reduce(_fold(values, dtype)).double()
+                by_device.setdefault(value.device, []).append((i, column, value))
     for entries in by_device.values():
         for (i, column, _), value in zip(entries, torch.stack([e[2] for e in entries]).tolist(), strict=True):
             rows[i][column] = value

@@ -15,7 +15,7 @@ def test_array_parameters_follow_numbas_layout() -> None:
     types = importlib.import_module("numba.cuda.types")
     t = torch.zeros(3, 5, dtype=torch.float32)
     out: list[object] = []
-    _launch._param(types.Array(types.float32, 2, "C"), t, out)
+    _launch._setter(types.Array(types.float32, 2, "C"))(t, out)
     # meminfo, parent, size, itemsize, data, shape..., strides in bytes...
     assert out == [0, 0, 15, 4, t.data_ptr(), 3, 5, 20, 4]
 
@@ -25,7 +25,7 @@ def test_scalar_parameters_take_their_numba_type() -> None:
     out: list[object] = []
     for ty, value in [(types.int64, 7), (types.uint8, 200), (types.float32, np.float32(0.5)),
                       (types.float64, 2.0), (types.boolean, True)]:
-        _launch._param(ty, value, out)
+        _launch._setter(ty)(value, out)
     assert [getattr(v, "value", v) for v in out] == [7, 200, 0.5, 2.0, True]
     assert [type(v).__name__ for v in out] == ["c_long", "c_ubyte", "c_float", "c_double", "bool"]
 
@@ -33,7 +33,7 @@ def test_scalar_parameters_take_their_numba_type() -> None:
 def test_unknown_parameter_types_are_refused() -> None:
     types = importlib.import_module("numba.cuda.types")
     with pytest.raises(TypeError, match="no direct layout"):
-        _launch._param(types.complex64, 1j, [])
+        _launch._setter(types.complex64)
 
 
 def test_only_contiguous_cuda_tensors_and_scalars_take_the_direct_path() -> None:

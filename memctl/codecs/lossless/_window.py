@@ -10,7 +10,7 @@ padding ``p`` and window extent ``k`` (``dilation·(kernel − 1) + 1``) per dim
 
 so the pair ``(dh, dw)`` (``dh·k_w + dw``) is all that is needed: 2 bits for a 2x2 window,
 4 for 3x3, against 8 or 16 narrowed. The codec does not know the pool's geometry (an
-index tensor does not say which op made it), so :func:`find_window` tries the common
+index tensor does not say which op made it), so :func:`window_codes` tries the common
 geometries (kernel 2 to 4, stride 1 to 4, padding up to half the kernel, the input
 widths those give for the output width) on the first plane, and keeps the first one
 under which *every* index of the tensor lies inside its window. Decoding computes
@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Window", "codes", "find_window", "indices"]
+__all__ = ["Window", "indices", "window_codes"]
 
 _MIN_NUMEL = 64
-
 _DTYPES = (torch.int32, torch.int64)
 
 
@@ -101,15 +100,10 @@ def _candidates(oh: int, ow: int) -> tuple[Window, ...]:
     return tuple(out)
 
 
-def find_window(x: torch.Tensor) -> Window | None:
-    """A geometry under which every index of ``x`` lies in its window (NOTE [ Window codes ])."""
-    found = window_codes(x)
-    return None if found is None else found[0]
-
-
 def window_codes(x: torch.Tensor) -> tuple[Window, list[torch.Tensor]] | None:
-    """:func:`find_window` and :func:`codes` in one: the geometry and the code planes, computed
-    from the same pass over the whole tensor."""
+    """A geometry under which every index of ``x`` lies in its window (NOTE [ Window codes ]),
+    and the window codes of ``x`` under it as ``bits`` flat bool planes, least significant
+    first; None when no geometry fits. The codes come from the pass that checks the fit."""
     if x.dtype not in _DTYPES or x.dim() < 3 or x.numel() < _MIN_NUMEL:
         return None
     oh, ow = x.shape[-2], x.shape[-1]
@@ -132,13 +126,6 @@ def _fits_one(value: int, row: int, col: int, w: Window) -> bool:
     return 0 <= dh < w.size_h and 0 <= dw < w.size_w
 
 
-def codes(x: torch.Tensor, w: Window) -> list[torch.Tensor]:
-    """The window codes of ``x`` as ``w.bits`` flat bool planes, least significant first."""
-    oh, ow = x.shape[-2], x.shape[-1]
-    dh, dw = _offsets(x.reshape(-1, oh, ow), w)
-    return _bit_planes((dh * w.size_w + dw).reshape(-1), w)
-
-
 def _bit_planes(code: torch.Tensor, w: Window) -> list[torch.Tensor]:
     small = code.to(torch.uint8)  # a code is below 16 (a window of at most 4x4): 1 byte, not 8
     return [((small >> b) & 1).to(torch.bool) for b in range(w.bits)]
@@ -146,7 +133,7 @@ def _bit_planes(code: torch.Tensor, w: Window) -> list[torch.Tensor]:
 
 def indices(planes: list[torch.Tensor], w: Window, shape: tuple[int, ...],
             dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`codes`: the original index tensor."""
+    """Inverse of :func:`window_codes`: the original index tensor."""
     oh, ow = shape[-2], shape[-1]
     device = planes[0].device
     code = planes[0].to(torch.uint8)
