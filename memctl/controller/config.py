@@ -45,11 +45,15 @@ class ControllerConfig:
             (the loss); off by default, see NOTE [ What is compressed ].
         log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
             (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
-        attention_bits: least bits of the tensors an attention saves (what
-            ``scaled_dot_product_attention`` saves; an explicit attention's matmul operands
-            and probabilities), whatever their layer's bits; the gradient-free floats it
-            saves (the logsumexp) are kept exact. ``None`` turns the floor off (NOTE [ Bit
-            floors ] in floors.py).
+        attention_bits: least bits of the query, key and probabilities an attention saves
+            (``scaled_dot_product_attention``'s query and key; an explicit attention's
+            logits matmul operands and probabilities), whatever their layer's bits; the
+            gradient-free floats it saves (the logsumexp) are kept exact. ``None`` turns
+            the floor off (NOTE [ Bit floors ] in floors.py).
+        attention_value_bits: least bits of the value and output an attention saves
+            (``scaled_dot_product_attention``'s value and output; the value operand of an
+            explicit attention's ``p @ v``): its backward reads them linearly, not through
+            an exponential. ``None``: no floor.
         norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
             ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
             ``None``: no floor.
@@ -103,6 +107,7 @@ class ControllerConfig:
     compress_outside: bool = False
     log_prob_bits: int | None = 8
     attention_bits: int | None = 8
+    attention_value_bits: int | None = 4
     norm_bits: int | None = 4
     keep_inputs: bool = False
     group_size: int = 256
@@ -152,7 +157,7 @@ class ControllerConfig:
                 f"log_prob_bits={self.log_prob_bits!r}: must be 4 or 8 (bits of the stored "
                 "probabilities), or None to keep log-softmax outputs exact"
             )
-        for name in ("attention_bits", "norm_bits"):
+        for name in ("attention_bits", "attention_value_bits", "norm_bits"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in (2, 4, 8)):
                 raise ConfigError(

@@ -19,16 +19,25 @@ of what the op's backward does with them, not because of their layer:
   one outlier token widens the range of the whole group. Its input is the residual
   stream.
 
-So every such tensor is stored at ``max(layer bits, floor)`` bits (``attention_bits``,
-default 8, and ``norm_bits``, default 4, in :class:`~memctl.controller.config.ControllerConfig`;
-``None`` turns a floor off), and the floats an attention op saves that carry no gradient
-(the logsumexp: one value per row, ``1/head_dim`` of the query) are kept exact. Measured
+So every such tensor is stored at ``max(layer bits, floor)`` bits, and the floats an
+attention op saves that carry no gradient (the logsumexp: one value per row,
+``1/head_dim`` of the query) are kept exact. The floors (in
+:class:`~memctl.controller.config.ControllerConfig`; ``None`` turns one off):
+``attention_bits`` (default 8) for what the backward exponentiates, the query, the key and
+the probabilities; ``attention_value_bits`` (default 4) for what it reads linearly, the
+value and the output (``dV = Pᵀ·dO``, ``dP = dO·Vᵀ`` and the row sums ``rowsum(dO ∘ O)``
+that the flash backward subtracts inside the softmax's derivative: an error there is an
+error of the same size in the gradient, not an exponentiated one); ``norm_bits``
+(default 4) for LayerNorm and RMSNorm. Measured
 on the byte-level LM of benchmarks/convergence.py (3 blocks, uniform 2 bits, calibration
 and guard off, 300 steps, seed 0, validation loss against plain): no floor +9.1%; the
 attention's tensors at 8 bits +3.3% (only query and key at 8: +3.9%); LayerNorm's outputs
 at 8 bits as well +1.6%, at 4 bits +1.8%; LayerNorm's inputs alone at 8 bits +3.0%;
-LayerNorm's inputs and outputs at 4 bits (the defaults) +1.5%;
+LayerNorm's inputs and outputs at 4 bits +1.5%;
 smaller groups (128 values, one token) for every tensor instead +2.8% (benchmarks/README.md).
+Value and output at 4 bits instead of 8 (the defaults since) cost +0.3 points there
+(+0.74% → +1.04% at seed 0, on the code of 2026-11-23) for 6.7x → 7.4x, and raise the
+library transformers' ratio 5-7% at the same loss drop (benchmarks/README.md).
 
 A tensor held at its floor is outside the allocation's control: its bytes count as the
 layer's ``fixed_bytes`` (and ``floored_bytes`` in ``stats()["layers"]``), not as values
@@ -65,7 +74,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "FloorTracker", "Raise"]
+__all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "FloorTracker", "Raise"]
 
 RECENT = 6
 """Compressed records that wait for the op that saved them (query, key, value, logsumexp, ...)."""
@@ -73,6 +82,9 @@ RECENT = 6
 _WALK_DEPTH = 2
 
 ATTENTION = "attention"
+"""Query, key and probabilities: what an attention's backward exponentiates."""
+VALUES = "attention_values"
+"""Value and output: what an attention's backward reads linearly."""
 NORM = "norm"
 
 
@@ -88,9 +100,18 @@ class _Op:
     """Its saved floats without a gradient (logsumexp) are kept exact."""
     output: bool = False
     """Its output (or a view of it), when the next op saves it, is floored too."""
+    result_kind: str | None = None
+    """The floor of its saved result, when not ``kind``'s."""
+    input_kinds: tuple[str, ...] = ()
+    """The floor of each saved input by its place, when not ``kind``'s (the rest: ``kind``'s)."""
+
+    def input_kind(self, index: int) -> str:
+        return self.input_kinds[index] if index < len(self.input_kinds) else self.kind
 
 
-_SDPA = _Op(ATTENTION, result=True, inputs=True, exact_extras=True)
+# query, key, value (attn_mask, when it has a gradient, takes the query's floor)
+_SDPA = _Op(ATTENTION, result=True, inputs=True, exact_extras=True, result_kind=VALUES,
+            input_kinds=(ATTENTION, ATTENTION, VALUES))
 _OPS: dict[str, _Op] = {
     "ScaledDotProductFlashAttentionForCpuBackward0": _SDPA,
     "ScaledDotProductFlashAttentionBackward0": _SDPA,
@@ -153,20 +174,23 @@ def _is_rms_norm(node: Any) -> bool:
     return False
 
 
-def _attention_matmul(node: Any) -> Any:
-    """The matmul node of an explicit attention that ``node`` identifies, or None: a
-    softmax's logits matmul (q @ kᵀ), or a matmul with a softmax's output as an operand
-    (p @ v)."""
+def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
+    """The matmul node of an explicit attention that ``node`` identifies, with the floor of
+    each of its operands, or None: a softmax's logits matmul (q @ kᵀ: both the query's),
+    or a matmul with a softmax's output as an operand (p @ v: the probabilities take the
+    query's floor, the values theirs)."""
     name = type(node).__name__
     if name in _SOFTMAX:
         edges = node.next_functions
         below = _first_beyond(edges[0][0], _SCALING) if edges else None
-        return below if below is not None and type(below).__name__ in _MATMULS else None
+        if below is None or type(below).__name__ not in _MATMULS:
+            return None
+        return below, (ATTENTION,) * len(below.next_functions)
     if name in _MATMULS:
-        for nxt, _ in node.next_functions:
-            below = _first_beyond(nxt, _VIEWS)
-            if below is not None and type(below).__name__ in _SOFTMAX:
-                return node
+        kinds = tuple(ATTENTION if type(_first_beyond(nxt, _VIEWS)).__name__ in _SOFTMAX else VALUES
+                      for nxt, _ in node.next_functions)
+        if ATTENTION in kinds:
+            return node, kinds
     return None
 
 
@@ -197,6 +221,7 @@ class FloorTracker:
 
     def __init__(self, floors: dict[str, int | None]) -> None:
         self._floors = {k: v for k, v in floors.items() if v is not None}
+        self._attention = ATTENTION in self._floors or VALUES in self._floors
         self._recent: dict[int, _Recent] = {}
         self._order = 0
 
@@ -215,7 +240,7 @@ class FloorTracker:
         op = _OPS.get(type(node).__name__)
         if op is None or not op.result:
             return self._output_floor(node)
-        return self._floors.get(op.kind)
+        return self._floors.get(op.result_kind or op.kind)
 
     def _output_floor(self, node: Any) -> int | None:
         """The floor of a tensor that is (a view of) the output of a table op with ``output``."""
@@ -272,14 +297,15 @@ class FloorTracker:
             name = type(node).__name__
             op = _OPS.get(name)
             rms = op is None and name == "MulBackward0" and _is_rms_norm(node)
-            if op is not None and op.inputs and op.kind in self._floors:
-                found += self._inputs_of(node, self._floors[op.kind], op.exact_extras)
+            if op is not None and op.inputs:
+                kinds = [op.input_kind(i) for i in range(len(node.next_functions))]
+                found += self._inputs_of(node, kinds, op.exact_extras and ATTENTION in self._floors)
             elif NORM in self._floors and rms:
-                found += self._inputs_of(node, self._floors[NORM], False)
-            elif ATTENTION in self._floors:
+                found += self._inputs_of(node, [NORM] * len(node.next_functions), False)
+            elif self._attention:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
-                    found += self._inputs_of(matmul, self._floors[ATTENTION], False)
+                    found += self._inputs_of(matmul[0], list(matmul[1]), False)
             edges = node.next_functions
             if op is None and name not in HOLDING and self._recent and not rms:
                 self._release(edges, keyed)  # NOTE [ Releasing inputs early ] in regions.py
@@ -300,18 +326,24 @@ class FloorTracker:
                 for r in rs:
                     self._recent.pop(r.order, None)
 
-    def _inputs_of(self, node: Any, bits: int | None, extras_exact: bool) -> list[Raise]:
-        keys = {(id(n), int(nr)): n for n, nr in node.next_functions if n is not None}
+    def _inputs_of(self, node: Any, kinds: list[str], extras_exact: bool) -> list[Raise]:
+        """The recent records among ``node``'s inputs, each to be stored again at the floor of
+        its kind (``kinds``, by input place); one whose kind has no floor is only let go."""
+        keys = {(id(n), int(nr)): (n, i) for i, (n, nr) in enumerate(node.next_functions) if n is not None}
         hits = [r for r in self._recent.values()
-                if r.key is not None and r.key in keys and keys[r.key] is r.node]
+                if r.key is not None and r.key in keys and keys[r.key][0] is r.node]
         if not hits:
             return []
         first = min(r.order for r in hits)
         extras = [r for r in self._recent.values() if extras_exact and r.node is None and r.order > first]
         out: list[Raise] = []
-        for r, b in [(r, bits) for r in hits] + [(r, None) for r in extras]:
+        pairs = [(r, kinds[keys[r.key][1]]) for r in hits if r.key is not None]
+        for r, kind in pairs + [(r, None) for r in extras]:
             del self._recent[r.order]
+            bits = None if kind is None else self._floors.get(kind)
+            if kind is not None and bits is None:
+                continue  # no floor for this kind: the record keeps its layer's bits
             saved = r.saved()
             if saved is not None and r.source._version == r.version:
-                out.append(Raise(saved, r.source, r.layer, b))
+                out.append(Raise(saved, r.source, r.layer, bits))
         return out

@@ -100,7 +100,7 @@ import torch
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
-from memctl.controller.floors import ATTENTION, NORM, FloorTracker, Raise
+from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
@@ -189,7 +189,8 @@ class Packer:
         """Micro-batches (forwards that backward read) in the last finished step."""
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
         self._regions = RegionTracker()
-        self._floors = FloorTracker({ATTENTION: config.attention_bits, NORM: config.norm_bits})
+        self._floors = FloorTracker({ATTENTION: config.attention_bits, VALUES: config.attention_value_bits,
+                                     NORM: config.norm_bits})
         self.inputs = ModelInputs()
         """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self._counter = 0

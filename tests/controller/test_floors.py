@@ -53,24 +53,42 @@ def _attention_records(packer: Packer) -> tuple[list[Any], list[torch.Tensor], t
     return records, tensors, out
 
 
-def test_attention_saves_are_held_at_the_floor_and_logsumexp_exact() -> None:
-    records, tensors, out = _attention_records(_packer())
+def _attention_kinds(packer: Packer) -> list[tuple[str, int | None]]:
+    """``(what, bits)`` of every record of :func:`_attention_records`'s attention, sorted."""
+    records, tensors, out = _attention_records(packer)
     node = out.grad_fn
     assert node is not None and "Attention" in type(node).__name__
-    inputs = {(id(n), nr) for n, nr in node.next_functions if n is not None}
+    inputs = {(id(n), nr): name for (n, nr), name in zip(node.next_functions[:3], ("query", "key", "value"),
+                                                          strict=True) if n is not None}
     kinds = []
     for saved, t in zip(records, tensors, strict=True):
         if t.grad_fn is node:
             kinds.append(("output", _stored_bits(saved)))
         elif t.grad_fn is not None and (id(t.grad_fn), t.output_nr) in inputs:
-            kinds.append(("input", _stored_bits(saved)))
+            kinds.append((inputs[(id(t.grad_fn), t.output_nr)], _stored_bits(saved)))
         elif t.grad_fn is None and t.dim() == 3:
             kinds.append(("logsumexp", _stored_bits(saved)))
-    assert sorted(kinds) == [("input", 8)] * 3 + [("logsumexp", None), ("output", 8)]
+    return sorted(kinds)
+
+
+def test_attention_saves_are_held_at_the_floor_and_logsumexp_exact() -> None:
+    # query and key at attention_bits, value and output at attention_value_bits
+    assert _attention_kinds(_packer()) == [
+        ("key", 8), ("logsumexp", None), ("output", 4), ("query", 8), ("value", 4)]
+    assert _attention_kinds(_packer(attention_value_bits=8)) == [
+        ("key", 8), ("logsumexp", None), ("output", 8), ("query", 8), ("value", 8)]
+
+
+def test_each_attention_floor_turns_off_on_its_own() -> None:
+    assert _attention_kinds(_packer(attention_value_bits=None)) == [
+        ("key", 8), ("logsumexp", None), ("output", 2), ("query", 8), ("value", 2)]
+    # without the query's floor the logsumexp takes the layer's bits like any other float
+    assert _attention_kinds(_packer(attention_bits=None)) == [
+        ("key", 2), ("logsumexp", 2), ("output", 4), ("query", 2), ("value", 4)]
 
 
 def test_without_the_floor_attention_saves_take_the_layer_bits() -> None:
-    records, tensors, _ = _attention_records(_packer(attention_bits=None))
+    records, tensors, _ = _attention_records(_packer(attention_bits=None, attention_value_bits=None))
     for saved, t in zip(records, tensors, strict=True):
         if isinstance(saved, Saved) and t.is_floating_point() and t.dim() >= 3:
             assert _stored_bits(saved) == 2
@@ -132,8 +150,8 @@ def test_explicit_attention_matmul_operands_are_floored() -> None:
         F.linear(y, w_out)
     bits = [_stored_bits(s) for s, t in records if isinstance(s, Saved) and t.grad_fn is not None]
     # the first linear's weight and input (2 bits), q and k (8), p (8), v as the second
-    # matmul's operand (8), the last linear's weight and input (2 bits)
-    assert bits == [2, 2, 8, 8, 8, 8, 2, 2]
+    # matmul's operand (attention_value_bits, 4), the last linear's weight and input (2 bits)
+    assert bits == [2, 2, 8, 8, 8, 4, 2, 2]
     # p as the second matmul's operand (a 3-D view of the softmax's result): the same record
     (alias,) = [s for s, _ in records if isinstance(s, Alias)]
     softmax = next(s for s, t in records
@@ -183,7 +201,7 @@ def test_a_floor_never_lowers_the_layer_bits() -> None:
             if isinstance(s, Saved) and t.grad_fn is not None} == {8}
 
 
-@pytest.mark.parametrize("field", ["attention_bits", "norm_bits"])
+@pytest.mark.parametrize("field", ["attention_bits", "attention_value_bits", "norm_bits"])
 @pytest.mark.parametrize("value", [1, 3, 16, True])
 def test_floor_bits_are_validated(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -214,7 +232,8 @@ def _grad(attention_bits: int | None, exact: bool = False) -> tuple[torch.Tensor
     ctl = None
     if not exact:
         ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), calibration_fraction=0.0,
-                                attention_bits=attention_bits, monitor_interval_s=0)
+                                attention_bits=attention_bits, monitor_interval_s=0,
+                                attention_value_bits=None if attention_bits is None else 4)
     (model(x) * upstream).sum().backward()
     opt.step()
     stats: dict[str, Any] = {}
