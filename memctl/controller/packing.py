@@ -93,6 +93,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,6 +196,10 @@ class Packer:
         """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self._counter = 0
         self._seed_base = 0
+        self._steps = 0
+        # NOTE [ Range statistics ]: each layer's derived records' last measured terms, in pack order
+        self._derived_ranges: dict[str, list[_RangeTerms]] = {}
+        self._derived_index: dict[str, int] = {}
         self.packs = 0
         self.passed = 0
         self.fsdp_passed = 0
@@ -233,6 +238,7 @@ class Packer:
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
         self._shared.clear()
+        self._derived_index.clear()
         if not self._micro.empty:
             self._done.append(self._micro)
             self._micro = MicroBatch([b for b in self._done if b.live])
@@ -257,6 +263,8 @@ class Packer:
         self._regions.clear()
         self._floors.clear()
         self._begun = None
+        self._steps += 1
+        self._derived_index.clear()
         self.last_samples = peak.samples
         self.last_micro_batches = peak.micro_batches
         return peak.records
@@ -582,7 +590,7 @@ class Packer:
         if not self._raise_root(root, root_source, int(bits), layer, rec, hidden=root is not source_saved):
             return None
         rec.bit_values += bits * t.numel()
-        self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
+        self._derived_range_stats(t, rec, layer)
         return Saved(Derived(source_saved, fn), t, layer=layer)
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
@@ -664,7 +672,7 @@ class Packer:
         if region is not None:
             rec.packed_bytes += region.nbytes
         rec.bit_values += bits * t.numel()
-        self._range_stats(t, Packed("derived", tuple(t.shape), t.dtype, t.device, {}), rec)
+        self._derived_range_stats(t, rec, layer)
         return Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
 
     def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
@@ -722,6 +730,18 @@ class Packer:
         saved tensor (a GRU saves ~900 per step). A buffer is held until the step boundary
         even when backward has freed its record: 8 bytes per group, under 1% of the raw
         activation, and the step boundary follows the backward pass.
+
+        A derived record (NOTE [ Outputs recomputed from the input ], NOTE [ Batch-norm
+        outputs recomputed from the input ]) has no metadata of its own: its groups' ranges
+        take a pass over the tensor (one ``aminmax`` on a CPU, several on a GPU), which on a
+        conv net with batch-norm chains was a fifth of memctl's CPU time beyond the codecs
+        (26 ms a step of the CNN in benchmarks/training.py at one thread). So they are
+        measured every :data:`DERIVED_RANGE_EVERY` optimizer steps, and the steps between
+        reuse each layer's last measured terms record by record (the i-th derived record of
+        a layer in a forward takes the i-th term measured; one without a term of the same
+        size is measured at once). The layer's range sum keeps all its records every step,
+        at most ``DERIVED_RANGE_EVERY - 1`` steps old for the derived ones; the sensitivity
+        it feeds is an average over steps anyway.
         """
         g = self._config.group_size
         meta = p.buffers.get("meta")
@@ -740,6 +760,27 @@ class Packer:
         rec.range_terms.append(rng.square().sum() * g)
         rec.mins.append(lo.min())
         rec.maxs.append(hi.max())
+
+    def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep, layer: str) -> None:
+        """:meth:`_range_stats` of a derived record, measured every :data:`DERIVED_RANGE_EVERY`
+        steps and reused in between (NOTE [ Range statistics ])."""
+        i = self._derived_index.get(layer, 0)
+        self._derived_index[layer] = i + 1
+        terms = self._derived_ranges.setdefault(layer, [])
+        due = self._steps % DERIVED_RANGE_EVERY == 0
+        if not due and i < len(terms) and terms[i].numel == t.numel():
+            term = terms[i]
+        else:
+            lo, hi = _group_ranges(t.detach().reshape(-1).float(), self._config.group_size)
+            rng = hi.double() - lo.double()
+            term = _RangeTerms(t.numel(), rng.square().sum() * self._config.group_size, lo.min(), hi.max())
+            if i < len(terms):
+                terms[i] = term
+            else:
+                terms.append(term)
+        rec.range_terms.append(term.range_term)
+        rec.mins.append(term.lo)
+        rec.maxs.append(term.hi)
 
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ])."""
@@ -774,6 +815,20 @@ def _nbytes(p: Packed) -> int:
     for b in p.buffers.values():
         n += b.nbytes
     return n
+
+
+DERIVED_RANGE_EVERY = 4
+"""Optimizer steps between two measurements of a derived record's range (NOTE [ Range statistics ])."""
+
+
+@dataclass(frozen=True)
+class _RangeTerms:
+    """One record's range statistics: its size, ``G·Σ_g R_g²``, its smallest and largest value."""
+
+    numel: int
+    range_term: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
 
 
 def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -317,3 +317,66 @@ def test_sixteen_bits_of_a_chain_are_kept_in_half_precision(monkeypatch: pytest.
     assert isinstance(root.data, torch.Tensor) and root.data.dtype == torch.float16
     monkeypatch.setattr(packing, "WIDE_BITS", 10**6)
     assert wide < 0.2 * _deep_error(8)
+
+
+def test_derived_ranges_are_measured_every_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Range statistics ]: a derived record's group ranges take a pass over the tensor, so
+    they are measured every DERIVED_RANGE_EVERY steps; between, each layer's terms are the last
+    measured ones, record by record, and the layer's range sum never loses a record."""
+    calls: list[int] = []
+    group_ranges = packing._group_ranges
+
+    def counting(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(flat.numel())
+        return group_ranges(flat, g)
+
+    monkeypatch.setattr(packing, "_group_ranges", counting)
+    model = _model(nn.ReLU)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    packer = ctl._packer
+    terms: list[list[float]] = []
+    fold = packer.finish_step
+
+    def finish() -> dict[str, Any]:
+        records = fold()
+        terms.append(sorted(float(t) for rec in records.values() for t in rec.range_terms))
+        return records
+
+    monkeypatch.setattr(packer, "finish_step", finish)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, 16, 16, generator=g)
+    per_step: list[int] = []
+    every = packing.DERIVED_RANGE_EVERY
+    for _ in range(every + 1):
+        before = len(calls)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(len(calls) - before)
+    ctl.detach()
+    assert per_step[0] > 0  # the chain's derived records are measured on the first step
+    assert per_step[1:every] == [0] * (every - 1)  # reused on the steps between
+    assert per_step[every] == per_step[0]  # and measured again
+    # every step's range sum has as many terms; between measurements the derived ones repeat
+    assert len({len(t) for t in terms}) == 1
+    derived = packer._derived_ranges
+    assert derived and all(len(v) > 0 for v in derived.values())
+    reused = {float(term.range_term) for v in derived.values() for term in v}
+    assert reused <= set(terms[every])
+
+
+def test_a_derived_record_of_a_new_size_is_measured_at_once() -> None:
+    model = _model(nn.ReLU)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    g = torch.Generator().manual_seed(0)
+    for size in (16, 8):  # the second step is not due, but its records have another size
+        model(torch.randn(4, 3, size, size, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    sizes = {term.numel for v in ctl._packer._derived_ranges.values() for term in v}
+    ctl.detach()
+    assert sizes and all(n == 4 * 16 * 8 * 8 for n in sizes)
