@@ -37,7 +37,7 @@ LayerNorm's inputs and outputs at 4 bits +1.5%;
 smaller groups (128 values, one token) for every tensor instead +2.8% (benchmarks/README.md).
 Value and output at 4 bits instead of 8 (the defaults since) cost +0.3 points there
 (+0.74% → +1.04% at seed 0, on the code of 2026-11-23) for 6.7x → 7.4x, and raise the
-library transformers' ratio 5-7% at the same loss drop (benchmarks/README.md).
+library transformers' ratio 2-11% at the same loss drop (benchmarks/README.md).
 
 A tensor held at its floor is outside the allocation's control: its bytes count as the
 layer's ``fixed_bytes`` (and ``floored_bytes`` in ``stats()["layers"]``), not as values
