@@ -297,16 +297,16 @@ class FloorTracker:
             name = type(node).__name__
             op = _OPS.get(name)
             rms = op is None and name == "MulBackward0" and _is_rms_norm(node)
+            edges = node.next_functions
             if op is not None and op.inputs:
-                kinds = [op.input_kind(i) for i in range(len(node.next_functions))]
+                kinds = [op.input_kind(i) for i in range(len(edges))]
                 found += self._inputs_of(node, kinds, op.exact_extras and ATTENTION in self._floors)
             elif NORM in self._floors and rms:
-                found += self._inputs_of(node, [NORM] * len(node.next_functions), False)
+                found += self._inputs_of(node, [NORM] * len(edges), False)
             elif self._attention:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
                     found += self._inputs_of(matmul[0], list(matmul[1]), False)
-            edges = node.next_functions
             if op is None and name not in HOLDING and self._recent and not rms:
                 self._release(edges, keyed)  # NOTE [ Releasing inputs early ] in regions.py
             step = 0 if name in _VIEWS else 1

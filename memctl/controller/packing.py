@@ -756,10 +756,7 @@ class Packer:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
         else:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
-        rng = (hi.double() - lo.double())
-        rec.range_terms.append(rng.square().sum() * g)
-        rec.mins.append(lo.min())
-        rec.maxs.append(hi.max())
+        _RangeTerms.of(t.numel(), lo, hi, g).add_to(rec)
 
     def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep, layer: str) -> None:
         """:meth:`_range_stats` of a derived record, measured every :data:`DERIVED_RANGE_EVERY`
@@ -771,16 +768,13 @@ class Packer:
         if not due and i < len(terms) and terms[i].numel == t.numel():
             term = terms[i]
         else:
-            lo, hi = _group_ranges(t.detach().reshape(-1).float(), self._config.group_size)
-            rng = hi.double() - lo.double()
-            term = _RangeTerms(t.numel(), rng.square().sum() * self._config.group_size, lo.min(), hi.max())
+            g = self._config.group_size
+            term = _RangeTerms.of(t.numel(), *_group_ranges(t.detach().reshape(-1).float(), g), g)
             if i < len(terms):
                 terms[i] = term
             else:
                 terms.append(term)
-        rec.range_terms.append(term.range_term)
-        rec.mins.append(term.lo)
-        rec.maxs.append(term.hi)
+        term.add_to(rec)
 
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ])."""
@@ -829,6 +823,17 @@ class _RangeTerms:
     range_term: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+
+    @classmethod
+    def of(cls, numel: int, lo: torch.Tensor, hi: torch.Tensor, group: int) -> _RangeTerms:
+        """The terms of a record of ``numel`` values from its groups' ``(lo, hi)``."""
+        rng = hi.double() - lo.double()
+        return cls(numel, rng.square().sum() * group, lo.min(), hi.max())
+
+    def add_to(self, rec: LayerStep) -> None:
+        rec.range_terms.append(self.range_term)
+        rec.mins.append(self.lo)
+        rec.maxs.append(self.hi)
 
 
 def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
