@@ -67,6 +67,8 @@ from typing import Any
 
 import torch
 
+from memctl.codecs import channels
+
 __all__ = ["BATCH_NORM", "WIDE_BITS", "Chain", "chain_of", "is_wide", "verified", "widen"]
 
 Function = Callable[[torch.Tensor], torch.Tensor]
@@ -110,21 +112,51 @@ class Chain:
         if stats is None:
             return None
         shape = [1, -1] + [1] * (z.dim() - 2)
-        mean, invstd, gamma, beta = (v.view(shape) for v in stats)
+        mean, invstd = (v.view(shape) for v in stats[:2])
         op = _AFTER.get(self.after) if self.after is not None else None
         z_dtype, t_dtype = z.dtype, t.dtype
+        flat = [v.reshape(-1) for v in stats]
+        zero, std = torch.zeros_like(flat[0]), 1.0 / flat[1]
 
         def normalise(v: torch.Tensor) -> torch.Tensor:
-            return (v.to(mean.dtype) - mean).mul_(invstd)
+            fast = channels.affine(v, flat[0], flat[1], zero)  # NOTE [ Fused channel passes ]
+            return fast if fast is not None else (v.to(mean.dtype) - mean).mul_(invstd)
 
         def source(n: torch.Tensor) -> torch.Tensor:
-            return torch.addcdiv(mean, n.to(mean.dtype), invstd).to(z_dtype)
+            fast = channels.affine(n, zero, std, flat[0]) if z_dtype == torch.float32 else None
+            return fast if fast is not None else torch.addcdiv(mean, n.to(mean.dtype), invstd).to(z_dtype)
 
-        def output(n: torch.Tensor) -> torch.Tensor:
-            x = torch.addcmul(beta, n.to(mean.dtype), gamma).to(t_dtype)
-            return x if op is None else op(x)
-
+        output = _Output(flat[3], flat[2], zero, t_dtype, op)
         return normalise, source, output
+
+
+class _Output:
+    """``t`` from ``n``: ``after(weight·n + bias)`` (NOTE [ Batch-norm outputs ... ]); :meth:`masked` also
+    applies a ReLU result's region projection in the same pass (NOTE [ Fused channel passes ])."""
+
+    def __init__(self, beta: torch.Tensor, gamma: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+                 op: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self._beta, self._gamma, self._zero, self._dtype, self._op = beta, gamma, zero, dtype, op
+
+    def __call__(self, n: torch.Tensor) -> torch.Tensor:
+        fast = None
+        if self._dtype == torch.float32:
+            fast = channels.affine(n, self._zero, self._gamma, self._beta)
+        if fast is not None:
+            if self._op is None:
+                return fast
+            return fast.relu_() if self._op is torch.relu else self._op(fast)
+        shape = [1, -1] + [1] * (n.dim() - 2)
+        x = torch.addcmul(self._beta.view(shape), n.to(self._beta.dtype), self._gamma.view(shape))
+        x = x.to(self._dtype)
+        return x if self._op is None else self._op(x)
+
+    def masked(self, n: torch.Tensor, mask: torch.Tensor, floor: float) -> torch.Tensor | None:
+        """ReLU's region projection of ``self(n)`` under the packed ``mask``; None where the fused
+        kernel does not apply (the caller projects ``self(n)`` itself)."""
+        if self._dtype != torch.float32:
+            return None
+        return channels.affine(n, self._zero, self._gamma, self._beta, mask=mask, floor=floor)
 
 
 def chain_of(t: torch.Tensor) -> Chain | None:

@@ -98,7 +98,7 @@ from typing import Any
 
 import torch
 
-from memctl.codecs.base import Codec, Impl, Packed, decodes_mask
+from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
@@ -385,7 +385,14 @@ class Packer:
         start = time.perf_counter()
         fused = None
         if isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
-            out = data.fn(self.unpack(data.source))
+            source = self.unpack(data.source)
+            masked = getattr(data.fn, "masked", None)  # NOTE [ Fused channel passes ]
+            fused = _relu_code(saved) if saved.regions and masked is not None else None
+            out = None
+            if fused is not None and masked is not None:
+                out = masked(source, fused.planes[0].buffers["payload"], mask_floor(saved.dtype))
+            if out is None:
+                fused, out = None, data.fn(source)
         else:
             codec: Any = self._codec(data.codec)
             # NOTE [ ReLU masks ]
@@ -700,6 +707,11 @@ class Packer:
         rec.mask_bytes += p.nbytes - old.nbytes
 
     def _region_code(self, data: torch.Tensor, part: Partition) -> RegionCode:
+        bits = part.packed_plane(data)  # NOTE [ Fused channel passes ]
+        if bits is not None:
+            plane = Packed(codec="lossless", shape=tuple(data.shape), dtype=torch.bool, device=data.device,
+                           buffers={"payload": bits}, params={"layout": "bits"})
+            return RegionCode(part, (plane,))
         lossless = self._codec("lossless")
         return RegionCode(part, tuple(lossless.encode(plane) for plane in part.planes(data)))
 

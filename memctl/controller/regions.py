@@ -94,6 +94,7 @@ from typing import Any
 
 import torch
 
+from memctl.codecs import channels
 from memctl.codecs.base import mask_floor
 from memctl.controller import floors
 from memctl.controller.derived import DerivableOutputs
@@ -201,6 +202,19 @@ class Partition:
         code = self.codes(x)
         for bit in range(self.bits):
             yield (code >> bit) & 1 == 1
+
+    def packed_plane(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The one plane of a 1-bit partition whose code 1 is one interval, bit-packed straight from
+        ``x`` as the ``lossless`` codec lays it out (NOTE [ Fused channel passes ]); None otherwise."""
+        if self.bits != 1:
+            return None
+        ones = [iv for iv in self.intervals if iv.code == 1]
+        if len(ones) != 1:
+            return None
+        iv = ones[0]
+        # An infinite bound is no test (Interval.contains): closed, it holds for every non-NaN value.
+        lo_open, hi_open = iv.lo_open and iv.lo > -_INF, iv.hi_open and iv.hi < _INF
+        return channels.interval_bits(x, iv.lo, iv.hi, lo_open, hi_open)
 
     def project(self, v: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
         """Each value of ``v`` moved to the nearest point of the region its ``code`` names.
