@@ -31,10 +31,15 @@ that threshold); on a GPU, ``torch.cuda.memory_allocated`` after the forward and
 ``torch.cuda.max_memory_allocated`` during it, each minus the memory allocated before it.
 ``--scale`` multiplies every batch size: a GPU needs larger batches than a CPU to be busy.
 Step time is the median over the measured steps after warm-up (forward, backward and
-optimizer step); loss is the last step's.
+optimizer step); loss is the last step's. With ``--rounds N`` every configuration is timed
+in N processes, the methods in turns (plain, memctl, ..., plain, memctl, ...), and the
+table gives the median of the N and their range: on a shared machine whose speed drifts
+over minutes, one process per method compared methods timed minutes apart. ``--threads N``
+sets ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS`` in the child processes.
 
     python benchmarks/training.py                    # all models and methods, CPU
     python benchmarks/training.py --quick            # fewer steps
+    python benchmarks/training.py --threads 1 --rounds 3 --models cnn,transformer
     python benchmarks/training.py --device cuda --models cnn,transformer --scale 8
 """
 
@@ -363,6 +368,8 @@ def _run(args: argparse.Namespace, model: str, method: str, budget: int | None, 
     if budget is not None:
         cmd += ["--budget-bytes", str(budget)]
     env = dict(os.environ)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(args.threads)
     if phase == "memory":
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -381,6 +388,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 warm-up and 5 measured steps")
     parser.add_argument("--scale", type=int, default=1,
                         help="batch sizes times this (a GPU needs a larger batch than a CPU to be busy)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every configuration this many times, in turns, and report the median "
+                             "(a machine whose speed drifts moves all methods alike within a round)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS and NUMBA_NUM_THREADS of the child processes (default: as set)")
     parser.add_argument("--budget-fraction", type=float, default=0.125,
                         help="memctl-budget: activation share of plain's held memory (default 1/8)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -401,32 +413,54 @@ def main() -> None:
         methods.insert(0, "plain")
     if args.scale < 1:
         raise SystemExit(f"--scale {args.scale}: give a whole number >= 1")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give a whole number >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"--threads {args.threads}: give a whole number >= 1")
     gpu = f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""
     print(f"device {args.device}{gpu}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{args.warmup} warm-up + {args.steps} measured steps, batch x{args.scale}, "
-          f"load {os.getloadavg()[0]:.2f}")
+          f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'default')} threads, "
+          f"{args.rounds} round{'s' if args.rounds > 1 else ''}, load {os.getloadavg()[0]:.2f}")
+    spread = args.rounds > 1
     print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'held MiB':>9} {'less':>7} "
-          f"{'peak MiB':>9} {'less':>7} {'loss':>8}")
+          f"{'peak MiB':>9} {'less':>7} {'loss':>8}" + (f" {'step ms, rounds':>17}" if spread else ""))
     for model in [m for m in args.models.split(",") if m]:
-        plain: dict[str, Any] | None = None
+        results: dict[str, dict[str, Any]] = {}
+        budgets: dict[str, int | None] = {}
         for method in methods:
             budget = None
             if method == "memctl-budget":
+                plain = results.get("plain")
                 if plain is None or "error" in plain:
                     continue
                 budget = int((plain["state_bytes"] + args.budget_fraction * plain["held_bytes"]) / 0.9)
+            budgets[method] = budget
             r = _spawn(args, model, method, budget)
+            r["rounds"] = [r["step_ms"]] if "error" not in r else []
+            results[method] = r
+        for _ in range(args.rounds - 1):  # the methods in turns, timed only
+            for method, budget in budgets.items():
+                if "error" not in results[method]:
+                    again = _run(args, model, method, budget, "time")
+                    if "error" not in again:
+                        results[method]["rounds"].append(again["step_ms"])
+        plain = results.get("plain")
+        if plain is not None and "error" not in plain:
+            plain["step_ms"] = statistics.median(plain["rounds"])
+        for method, r in results.items():
             if "error" in r:
                 print(f"{model:<12} {method:<14} failed: {r['error']}")
                 continue
-            if method == "plain":
-                plain = r
-            ratio = r["step_ms"] / plain["step_ms"] if plain else float("nan")
-            less = _less(plain, r, "held_bytes")
-            peak_less = _less(plain, r, "peak_bytes")
+            r["step_ms"] = statistics.median(r["rounds"])
+            ok = plain is not None and "error" not in plain
+            ratio = r["step_ms"] / plain["step_ms"] if ok and plain is not None else float("nan")
+            less = _less(plain if ok else None, r, "held_bytes")
+            peak_less = _less(plain if ok else None, r, "peak_bytes")
+            rounds = f" {min(r['rounds']):>8.1f}-{max(r['rounds']):<8.1f}" if spread else ""
             print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} "
                   f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
-                  f"{r['loss']:>8.4f}", flush=True)
+                  f"{r['loss']:>8.4f}{rounds}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
 
