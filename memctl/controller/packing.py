@@ -80,6 +80,22 @@ pointers of the tensors found by the last walk with theirs then, and walks again
 one moved (``model.to(...)``, ``p.data = ...``, a replaced buffer). A parameter newly
 registered on the model between two walks is recognised from the next allocation step.
 
+NOTE [ Floors known from the last forward ]
+An input packed before its op's node exists (a LayerNorm's input, an attention's query
+and key when the attention is recognised later) is encoded at its layer's bits and then
+encoded again at its op's floor once the op shows up (NOTE [ Bit floors ]): two encodes,
+the first thrown away. On the 4-layer transformer of ``benchmarks/training.py`` that was 20
+of the 78 encodes of a step, ~48 ms of ~1,300 at one thread. A model's forward packs the
+same tensors in the same order every step, so a record remembers its slot (layer, place
+among the layer's packs in the forward, number of values), a raise to a floor remembers
+the slot's floor, and the next forward encodes a tensor packed at a remembered slot at
+its floor straight away (a record outside the allocation's control, as the raise would
+have made it). The later raise then finds it at its floor, which confirms the slot for
+the forward after; a slot not confirmed in a forward is forgotten, so a model whose
+forward changes gets one forward of double encodes, as before, and nothing worse. Slots
+carry no region code (a record with one is never encoded early), and a forward that packs
+nothing (evaluation under ``no_grad``) keeps the slots it found.
+
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
 logged (a warning the first time per layer), and training goes on.
@@ -126,11 +142,15 @@ _DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch
 _current_node = torch._C._current_autograd_node
 
 
+_Slot = tuple[str, int, int]
+"""A record's layer, its place among the layer's packs in the forward, and its number of values."""
+
+
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
 
     __slots__ = ("__weakref__", "data", "device", "dtype", "layer", "owner", "readers", "regions", "shape",
-                 "source", "version")
+                 "slot", "source", "version")
 
     def __init__(self, data: Packed | LogProbs | Derived | torch.Tensor, like: torch.Tensor,
                  regions: tuple[RegionCode, ...] = (), layer: str | None = None) -> None:
@@ -148,6 +168,8 @@ class Saved:
         self.owner: MicroBatch | None = None
         self.readers = 1
         """Pack hook calls that returned this record (NOTE [ One decode for several readers ])."""
+        self.slot: _Slot | None = None
+        """Where it was packed, for NOTE [ Floors known from the last forward ]."""
 
 
 class Alias:
@@ -200,6 +222,10 @@ class Packer:
         # NOTE [ Range statistics ]: each layer's derived records' last measured terms, in pack order
         self._derived_ranges: dict[str, list[_RangeTerms]] = {}
         self._derived_index: dict[str, int] = {}
+        # NOTE [ Floors known from the last forward ]
+        self._floor_hints: dict[_Slot, int] = {}
+        self._hints_next: dict[_Slot, int] = {}
+        self._hints_packs = 0
         self.packs = 0
         self.passed = 0
         self.fsdp_passed = 0
@@ -239,6 +265,9 @@ class Packer:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
         self._shared.clear()
         self._derived_index.clear()
+        if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
+            self._floor_hints, self._hints_next = self._hints_next, {}
+            self._hints_packs = self.packs
         if not self._micro.empty:
             self._done.append(self._micro)
             self._micro = MicroBatch([b for b in self._done if b.live])
@@ -472,6 +501,13 @@ class Packer:
             derived = self._derive_normalized(t, bits, layer, rec, part)
         if derived is not None:
             return derived
+        slot: _Slot = (layer, rec.tensors, numel)
+        hint = self._floor_hints.get(slot) if part is None else None
+        if hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE:
+            rec.numels.pop()  # NOTE [ Floors known from the last forward ]
+            saved = self._at_floor(t, hint, layer, rec)
+            saved.slot = slot
+            return saved
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         try:
@@ -488,7 +524,9 @@ class Packer:
         rec.bit_values += bits * numel
         rec.packed_bytes += _nbytes(p)
         self._range_stats(t, p, rec)
-        return Saved(p, t, () if region is None else (region,), layer=layer)
+        saved = Saved(p, t, () if region is None else (region,), layer=layer)
+        saved.slot = slot
+        return saved
 
     def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
         """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""
@@ -515,6 +553,8 @@ class Packer:
         if not isinstance(old, Packed) or old.codec != "quantize":
             return
         old_bits = int(old.params["bits"])
+        if saved.slot is not None and found.bits is not None:
+            self._hints_next[saved.slot] = found.bits  # NOTE [ Floors known from the last forward ]
         if found.bits is not None and old_bits >= found.bits:
             return
         self._counter += 1

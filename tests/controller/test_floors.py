@@ -271,3 +271,85 @@ def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
                 and type(t.grad_fn).__name__ == "ViewBackward0" else None): _stored_bits(s)
                for s, t in records if isinstance(s, Saved) and t.shape != (4, 16, 1)}
     assert by_kind["input"] == by_kind["normalised"] == by_kind["output"] == 4
+
+
+def _norm_forward(packer: Packer, x: torch.Tensor, w: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+    """One forward of ``linear(layer_norm(x·2 + 1))`` under ``packer``; the records and tensors packed."""
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    packer.begin_forward(int(x.shape[0]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        h = x * 2.0 + 1.0
+        y = F.linear(F.layer_norm(h, (64,)), w)
+    y.sum().backward()
+    return records
+
+
+def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monkeypatch: Any) -> None:
+    """NOTE [ Floors known from the last forward ]: the norm's input is encoded at its floor
+    at once from the second forward, with the same records and accounting as the first."""
+    from memctl.codecs.quantize.codec import QuantizeCodec
+
+    widths: list[int] = []
+    encode = QuantizeCodec.encode
+
+    def counting(self: QuantizeCodec, t: torch.Tensor, **kw: Any) -> Any:
+        widths.append(int(kw["bits"]))
+        return encode(self, t, **kw)
+
+    monkeypatch.setattr(QuantizeCodec, "encode", counting)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    per_forward = []
+    for _ in range(3):
+        widths.clear()
+        records = _norm_forward(packer, x, w)
+        (rec,) = packer.finish_step().values()
+        norm_input = [s for s, t in records
+                      if t.shape == x.shape and type(t.grad_fn).__name__ == "AddBackward0"]
+        assert [_stored_bits(s) for s in norm_input] == [4]
+        accounting = (rec.packed_bytes, rec.floored_bytes, sorted(rec.numels), rec.bit_values)
+        per_forward.append((sorted(widths), *accounting))
+    first, second, third = per_forward
+    # the same 4-bit encodes, and no 2-bit one before them
+    assert first[0].count(4) == second[0].count(4) and len(second[0]) == len(first[0]) - 1
+    assert first[1:] == second[1:] == third[1:]  # the same bytes, floored bytes and controlled values
+    assert third == second
+
+
+def test_a_slot_not_confirmed_by_a_forward_is_forgotten() -> None:
+    """A forward whose tensor at a remembered slot meets no floor takes the layer's bits again next time."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    _norm_forward(packer, x, w)
+    packer.finish_step()
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    for forward in range(2):  # the same shapes, no norm: the slot's tensor feeds a plain linear
+        records.clear()
+        packer.begin_forward(4)
+        with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+            h = x * 2.0 + 1.0
+            y = F.linear(torch.tanh(h), w)
+        y.sum().backward()
+        packer.finish_step()
+        stored = (_stored_bits(s) for s, _ in records if isinstance(s, Saved))
+        bits = sorted(b for b in stored if b is not None)
+        # the first forward still takes the slot's floor; it is not confirmed, so the second does not
+        assert (4 in bits) == (forward == 0) and 2 in bits, (forward, bits)
