@@ -31,14 +31,14 @@ def test_training_benchmark_runs_each_method_in_its_own_process() -> None:
 @pytest.mark.slow
 def test_rounds_time_each_method_again_and_report_their_range() -> None:
     out = subprocess.run(
-        [sys.executable, str(_SCRIPT), "--models", "mlp", "--methods", "plain,memctl",
+        [sys.executable, str(_SCRIPT), "--models", "mlp", "--methods", "plain,checkpoint",
          "--steps", "1", "--warmup", "1", "--rounds", "2", "--threads", "1"],
         capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 threads, 2 rounds" in out.stdout, out.stdout
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("mlp ")]
-    assert [r[1] for r in rows] == ["plain", "memctl"], out.stdout
+    assert [r[1] for r in rows] == ["plain", "checkpoint"], out.stdout
     for r in rows:
         assert len(r) == 10, out.stdout
         low, high = (float(v) for v in r[9].split("-"))
