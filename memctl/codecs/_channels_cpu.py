@@ -10,14 +10,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 from numba import prange
 
 from memctl.codecs._numba import cached_jit
 
+
+@numba.njit(inline="always")
+def _project(y: Any, floor: Any, bit: Any) -> Any:
+    """A ReLU result's value under its mask bit: ``max(y, floor)`` (NaN stays NaN) or ``·0``."""
+    y = floor if y < floor else y
+    return y if bit else y * np.float32(0.0)
+
+
+@numba.njit(inline="always")
+def _inside(v: Any, lo: Any, hi: Any, lo_open: Any, hi_open: Any) -> Any:
+    above = v > lo if lo_open else v >= lo
+    below = v < hi if hi_open else v <= hi
+    return 1 if above and below else 0
+
 __all__ = ["affine", "affine_serial", "interval_bits", "interval_bits_serial"]
 
-_BLOCKS = 64  # (sample, channel) blocks per prange iteration, at least
 _BYTES = 1 << 14  # output bytes per prange iteration of the interval mask
 
 
@@ -44,15 +58,11 @@ def _affine_blocks(
             for kb in range(inner >> 3):
                 byte = bits[b0 + kb]
                 for j in range(8):
-                    y = (xs[8 * kb + j] - a) * s + h
-                    y = floor if y < floor else y  # NaN stays NaN
-                    os[8 * kb + j] = y if (byte >> j) & 1 else y * np.float32(0.0)
+                    os[8 * kb + j] = _project((xs[8 * kb + j] - a) * s + h, floor, (byte >> j) & 1)
         else:
             for j in range(inner):
                 i = start + j
-                y = (xs[j] - a) * s + h
-                y = floor if y < floor else y
-                os[j] = y if (bits[i >> 3] >> (i & 7)) & 1 else y * np.float32(0.0)
+                os[j] = _project((xs[j] - a) * s + h, floor, (bits[i >> 3] >> (i & 7)) & 1)
 
 
 @cached_jit(parallel=True, fastmath=False)
@@ -79,18 +89,12 @@ def _interval_bytes(x: Any, lo: Any, hi: Any, lo_open: Any, hi_open: Any, out: A
     for k in range(k0, full):
         acc = 0
         for j in range(8):
-            v = x[8 * k + j]
-            above = v > lo if lo_open else v >= lo
-            below = v < hi if hi_open else v <= hi
-            acc |= (1 if above and below else 0) << j
+            acc |= _inside(x[8 * k + j], lo, hi, lo_open, hi_open) << j
         out[k] = acc
     for k in range(max(k0, full), k1):  # the last, partial byte
         acc = 0
         for j in range(n - 8 * k):
-            v = x[8 * k + j]
-            above = v > lo if lo_open else v >= lo
-            below = v < hi if hi_open else v <= hi
-            acc |= (1 if above and below else 0) << j
+            acc |= _inside(x[8 * k + j], lo, hi, lo_open, hi_open) << j
         out[k] = acc
 
 

@@ -53,9 +53,8 @@ def cpu_kernels() -> ModuleType:
     return _channels_cpu
 
 
-def _applies(x: torch.Tensor) -> bool:
-    cpu32 = x.device.type == "cpu" and x.dtype == torch.float32
-    return cpu32 and x.layout == torch.strided and x.is_contiguous()
+def _cpu32(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.layout == torch.strided
 
 
 def _vector(v: torch.Tensor, channels: int) -> torch.Tensor | None:
@@ -74,7 +73,7 @@ def affine(
     """``(x - sub[c])·scale[c] + shift[c]`` for channel ``c = `` dimension 1 of ``x``; with ``mask``
     (``ceil(numel / 8)`` uint8, bit ``i % 8`` of byte ``i // 8``), ``max(·, floor)`` where the bit is
     1 and ``·0`` where it is 0 (NOTE [ Fused channel passes ]). None where the kernel does not apply."""
-    if not _applies(x) or x.dim() < 2 or x.numel() == 0:
+    if not _cpu32(x) or not x.is_contiguous() or x.dim() < 2 or x.numel() == 0:
         return None
     channels = int(x.shape[1])
     vectors = [_vector(v, channels) for v in (sub, scale, shift)]
@@ -106,9 +105,7 @@ def interval_bits(x: torch.Tensor, lo: float, hi: float, lo_open: bool, hi_open:
     """The packed mask (``ceil(numel / 8)`` uint8, the ``lossless`` codec's ``"bits"`` layout, values in
     ``x``'s logical order) of ``lo (<|<=) x (<|<=) hi``; None where the kernel does not apply or the
     interval has no finite bound (NOTE [ Fused channel passes ])."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.layout == torch.strided):
-        return None
-    if math.isinf(lo) and math.isinf(hi):
+    if not _cpu32(x) or (math.isinf(lo) and math.isinf(hi)):
         return None
     flat = x.detach().reshape(-1)
     if not flat.is_contiguous():

@@ -115,6 +115,7 @@ from typing import Any
 import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
+from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
@@ -749,9 +750,7 @@ class Packer:
     def _region_code(self, data: torch.Tensor, part: Partition) -> RegionCode:
         bits = part.packed_plane(data)  # NOTE [ Fused channel passes ]
         if bits is not None:
-            plane = Packed(codec="lossless", shape=tuple(data.shape), dtype=torch.bool, device=data.device,
-                           buffers={"payload": bits}, params={"layout": "bits"})
-            return RegionCode(part, (plane,))
+            return RegionCode(part, (bits_record(bits, tuple(data.shape), data.device),))
         lossless = self._codec("lossless")
         return RegionCode(part, tuple(lossless.encode(plane) for plane in part.planes(data)))
 

@@ -31,7 +31,7 @@ from memctl.codecs.base import Impl, Packed
 from memctl.codecs.lossless import _reference, _window
 from memctl.errors import CodecError
 
-__all__ = ["LosslessCodec", "LosslessConfig"]
+__all__ = ["LosslessCodec", "LosslessConfig", "bits_record"]
 
 # NOTE [ Integer narrowing ]
 # Max-pool saves int64 indices into each input plane (0..H·W-1): at 8 bytes a value they
@@ -91,21 +91,19 @@ class LosslessCodec:
         flat = t.detach().reshape(-1)
         buffers: dict[str, torch.Tensor] = {}
         if t.dtype is torch.bool:
-            buffers["payload"] = self._pack(chosen, flat.contiguous())
-            layout = "bits"
-        elif (found := _window.window_codes(t.detach())) is not None:
+            return bits_record(self._pack(chosen, flat.contiguous()), tuple(t.shape), t.device)
+        if (found := _window.window_codes(t.detach())) is not None:
             window, planes = found
             buffers["payload"] = torch.cat([self._pack(chosen, plane.contiguous()) for plane in planes])
             return Packed(codec=_NAME, shape=tuple(t.shape), dtype=t.dtype, device=t.device, buffers=buffers,
                           params={"layout": "window", "bits": window.bits, **window.to_params()})
+        narrowed = _narrow(flat)
+        if narrowed is not None:
+            buffers["payload"], buffers["offset"], width = narrowed
+            layout = f"narrow{width}"
         else:
-            narrowed = _narrow(flat)
-            if narrowed is not None:
-                buffers["payload"], buffers["offset"], width = narrowed
-                layout = f"narrow{width}"
-            else:
-                buffers["payload"] = flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
-                layout = "raw"
+            buffers["payload"] = flat.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+            layout = "raw"
         return Packed(
             codec=_NAME,
             shape=tuple(t.shape),
@@ -156,6 +154,13 @@ class LosslessCodec:
             return self._cuda.run(lambda: _lossless_kernels.unpack_cuda(payload, n),
                                   lambda: _reference.unpack(payload, n))
         return _reference.unpack(payload, n)
+
+
+def bits_record(payload: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> Packed:
+    """The record of a bool tensor of ``shape`` whose bits ``payload`` holds (the ``"bits"`` layout):
+    what :meth:`LosslessCodec.encode` returns for it, for kernels that pack the bits themselves."""
+    return Packed(codec=_NAME, shape=shape, dtype=torch.bool, device=device,
+                  buffers={"payload": payload}, params={"layout": "bits"})
 
 
 def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:

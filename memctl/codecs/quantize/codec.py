@@ -80,6 +80,7 @@ import torch
 
 from memctl.codecs import _backend, _rng
 from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed, mask_floor
+from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference
 from memctl.errors import CodecError, ConfigError
@@ -246,9 +247,7 @@ class QuantizeCodec:
             buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
             params={"bits": b, "group_size": g, "seed": s},
         )
-        mask = Packed(codec="lossless", shape=shape, dtype=torch.bool, device=t.device,
-                      buffers={"payload": positive}, params={"layout": "bits"})
-        return record, mask
+        return record, bits_record(positive, shape, t.device)
 
     def _encode_cuda_with_positive(
         self, flat: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor
