@@ -69,9 +69,14 @@ def browser() -> Iterator[Any]:
 
 
 def _wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float = 30) -> Any:
+    """``condition``'s first truthy value; a read of an element the page re-rendered meanwhile
+    (it re-renders on every poll) is tried again."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition, message=f"waiting for {what}")
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=[StaleElementReferenceException])
+    return wait.until(condition, message=f"waiting for {what}")
 
 
 def _stats(url: str) -> dict[str, Any]:
@@ -156,15 +161,19 @@ def test_page_shows_a_row_per_rank_when_the_job_has_several(browser: Any) -> Non
     handle = serve(view)
     try:
         browser.get(handle.url + "/dashboard")
-        _wait(browser, lambda d: d.find_elements("css selector", "#ranks tbody tr"), "the rank rows")
+        def table(d: Any) -> list[tuple[str | None, str | None, list[str | None]]]:
+            """The rows as one reading: (data-rank, data-agreed, each cell's data-value)."""
+            return [(tr.get_attribute("data-rank"), tr.get_attribute("data-agreed"),
+                     [td.get_attribute("data-value") for td in tr.find_elements("tag name", "td")])
+                    for tr in d.find_elements("css selector", "#ranks tbody tr")]
+
+        shown = _wait(browser, table, "the rank rows")
         assert browser.find_element("id", "ranks-panel").is_displayed()
-        shown = browser.find_elements("css selector", "#ranks tbody tr")
-        assert [tr.get_attribute("data-rank") for tr in shown] == ["0", "1"]
-        cells = [[td.get_attribute("data-value") for td in tr.find_elements("tag name", "td")]
-                 for tr in shown]
+        assert [rank for rank, _, _ in shown] == ["0", "1"]
+        cells = [row for _, _, row in shown]
         assert cells[1][:3] == ["1", "40", "3"] and cells[1][4] == "1600" and cells[1][5] == ""
         assert float(cells[0][3]) == pytest.approx(8.0)
-        assert shown[1].get_attribute("data-agreed") == "false"
+        assert shown[1][1] == "false"
         assert "rank 0" in browser.find_element("id", "ranks-note").text
     finally:
         handle.close()
