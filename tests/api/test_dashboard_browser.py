@@ -88,6 +88,22 @@ def _value(driver: Any, element_id: str) -> str:
     return str(driver.find_element("id", element_id).get_attribute("data-value"))
 
 
+def _reading(d: Any) -> dict[str, Any]:
+    return {
+        "step": _value(d, "step"), "ratio": _value(d, "ratio"),
+        "ratio_text": d.find_element("id", "ratio").text,
+        "avg_bits": _value(d, "avg-bits"), "raw_bytes": _value(d, "raw-bytes"),
+        "packed_bytes": _value(d, "packed-bytes"), "budget": _value(d, "budget"),
+        "budget_text": d.find_element("id", "budget").text,
+        "bars": {b.get_attribute("data-layer"): float(b.get_attribute("data-bits"))
+                 for b in d.find_elements("css selector", "#bits-chart .layer-bar")},
+        "kinds": [row.get_attribute("data-kind")
+                  for row in d.find_elements("css selector", "#events tbody tr")],
+        "packed_path": bool(d.find_elements("css selector", "#activation-chart path[data-series='packed']")),
+        "used_path": bool(d.find_elements("css selector", "#memory-chart path[data-series='used']")),
+    }
+
+
 def test_page_shows_the_stats_and_changes_the_budget(job: Any, browser: Any) -> None:
     ctl, model, opt, url = job
     stats = _stats(url)
@@ -95,23 +111,22 @@ def test_page_shows_the_stats_and_changes_the_budget(job: Any, browser: Any) -> 
     _wait(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-rendered-step")
           == str(stats["step"]), "the page to render the current step")
 
-    # The numbers on the page are /v1/stats' numbers.
-    assert _value(browser, "step") == str(stats["step"]) == "3"
-    assert float(_value(browser, "ratio")) == pytest.approx(stats["ratio"])
-    assert browser.find_element("id", "ratio").text == f"{stats['ratio']:.2f}×"
-    assert float(_value(browser, "avg-bits")) == pytest.approx(stats["avg_bits"])
-    assert int(_value(browser, "raw-bytes")) == stats["raw_bytes"]
-    assert int(_value(browser, "packed-bytes")) == stats["packed_bytes"]
-    assert _value(browser, "budget") == "" and browser.find_element("id", "budget").text == "none"
-    bars = {b.get_attribute("data-layer"): float(b.get_attribute("data-bits"))
-            for b in browser.find_elements("css selector", "#bits-chart .layer-bar")}
+    # The numbers on the page are /v1/stats' numbers (read in one reading, which the wait
+    # repeats if the page re-renders an element between finding and reading it).
+    page = _wait(browser, _reading, "a reading of the page")
+    assert page["step"] == str(stats["step"]) == "3"
+    assert float(page["ratio"]) == pytest.approx(stats["ratio"])
+    assert page["ratio_text"] == f"{stats['ratio']:.2f}×"
+    assert float(page["avg_bits"]) == pytest.approx(stats["avg_bits"])
+    assert int(page["raw_bytes"]) == stats["raw_bytes"]
+    assert int(page["packed_bytes"]) == stats["packed_bytes"]
+    assert page["budget"] == "" and page["budget_text"] == "none"
+    bars = page["bars"]
     assert bars and bars == {layer["name"]: pytest.approx(layer["bits"]) for layer in ctl.stats()["layers"]
                              if layer["bits"] is not None}
-    rows = browser.find_elements("css selector", "#events tbody tr")
-    kinds = [row.get_attribute("data-kind") for row in rows]
+    kinds = page["kinds"]
     assert kinds == [e["kind"] for e in stats["events"]][::-1][:20] and "attach" in kinds
-    assert browser.find_elements("css selector", "#activation-chart path[data-series='packed']")
-    assert browser.find_elements("css selector", "#memory-chart path[data-series='used']")
+    assert page["packed_path"] and page["used_path"]
 
     # A wrong token is refused and says so; nothing is queued.
     assert browser.find_element("id", "token-label").is_displayed()
