@@ -53,15 +53,23 @@ saved (as for the pending inputs); one pushed out by a third is raised then. On 
 conv net this costs 10.5x -> 9.4x (hardswish) and 12.0x -> 10.6x (ELU) at 2 bits, and
 brings the hardswish net's cosine from 0.975 to 0.988.
 
+``y`` is matched also when the record is a reshape of it (up to four view, reshape or
+alias nodes between them, which keep the values' order): ``nn.Linear`` flattens a 3-d
+input to 2-d before its matmul, so in a transformer's MLP the next layer's record is a
+view of the activation's output; ``f`` is then followed by the reshape. Ops written as
+several PyTorch ops, and outputs offered from a module's exit: NOTE [ Elementwise
+expressions ] in expressions.py.
+
 Not derived (today's path): ``y`` saved at kept-exact bits or by the error-bound codec
 (``f`` can stretch an absolute bound by its slope, 1.5 for hardswish), ``x`` kept as a
 copy, ``x`` modified in place since it was packed, ops whose forward cannot be rebuilt
 from the node or whose rebuilt ``f``
 does not reproduce ``y`` bit for bit (checked the first time an op is seen per dtype and
 device type, so that the check's device-to-host read is paid once; ``threshold``'s node
-does not save its replacement value, which is read off ``y`` where the op replaced ``x``), and outputs that
-are not the op's own result (a view or a later op's). Calibration replays one layer at a
-time and does not raise the unread inputs, so its measured variance is that of the
+does not save its replacement value, which is read off ``y`` where the op replaced
+``x``), and outputs that are not the op's own result or a reshape of it (a slice, a
+permute, a later op's). Calibration replays one layer at a time and does not raise the
+unread inputs, so its measured variance is that of the
 separate records at the layers' own bits (an overestimate for the records derived or
 raised in training: it errs towards more bits).
 """
@@ -244,6 +252,8 @@ class _Offer:
     version: int
     fn: Function | None
     """None: read off the output when it is saved (:data:`_FROM_DATA`)."""
+    key: tuple[Any, ...] | None = None
+    """What a check of ``fn`` holds for (None: the node's op name, dtype and device)."""
 
 
 class DerivableOutputs:
@@ -295,6 +305,20 @@ class DerivableOutputs:
             evicted.append(self._offers.pop(next(iter(self._offers))))
         return _unread(evicted)
 
+    def offered(self, node: Any) -> bool:
+        return id(node) in self._offers
+
+    def offer_function(self, node: Any, saved: Any, source: torch.Tensor, fn: Function,
+                       key: tuple[Any, ...]) -> list[_Unread]:
+        """:meth:`offer` of a function rebuilt elsewhere (NOTE [ Elementwise expressions ] in
+        expressions.py): ``node``'s output is ``fn(source)``, ``source`` recorded as ``saved``."""
+        self._offers.pop(id(node), None)
+        self._offers[id(node)] = _Offer(node, weakref.ref(saved), source, source._version, fn, key)
+        evicted = []
+        while len(self._offers) > _OFFERS:
+            evicted.append(self._offers.pop(next(iter(self._offers))))
+        return _unread(evicted)
+
     def leftover(self) -> list[_Unread]:
         """``(input record, input)`` of value-dependent ops whose output nobody saved; clears the table."""
         out = _unread(list(self._offers.values()))
@@ -302,25 +326,53 @@ class DerivableOutputs:
         return out
 
     def take(self, t: torch.Tensor) -> tuple[Any, torch.Tensor, Function, _Key] | None:
-        """``(input record, input, f, key of verified)`` when ``t`` is the direct output of an offered op."""
-        node = t.grad_fn
-        if node is None or int(t.output_nr) != 0 or not self._offers:
+        """``(input record, input, f, key of verified)`` when ``t`` is the output of an offered op,
+        directly or through reshapes (NOTE [ Outputs recomputed from the input ])."""
+        if t.grad_fn is None or not self._offers:
+            return None
+        node, nr = reshaped_from(t)
+        if nr != 0:
             return None
         offer = self._offers.pop(id(node), None)
         if offer is None or offer.node is not node or offer.source._version != offer.version:
             return None
         saved = offer.saved()
-        key = (type(node).__name__, t.dtype, t.device.type)
+        reshaped = node is not t.grad_fn
+        key = (type(node).__name__, t.dtype, t.device.type) if offer.key is None else offer.key
+        if reshaped:
+            key = (*key, "reshape")
         fn = offer.fn
         if fn is None:
             try:
-                fn = _FROM_DATA[key[0]](node, offer.source.detach(), t.detach())
+                output = t.detach().reshape(offer.source.shape)
+                fn = _FROM_DATA[type(node).__name__](node, offer.source.detach(), output)
             except (AttributeError, RuntimeError, TypeError, ValueError):  # a node without the field
                 fn = None
+        if fn is not None and reshaped:
+            fn = _reshaping(fn, t.shape)
         return None if saved is None or fn is None else (saved, offer.source, fn, key)
 
 
 _OFFERS = 2
+
+# Autograd nodes of ops whose output is their input's values in the same (row-major) order.
+_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+_MAX_RESHAPES = 4
+
+
+def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
+    """The node (and output number) whose output ``t`` is, looking through up to
+    :data:`_MAX_RESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
+    node, nr = t.grad_fn, int(t.output_nr)
+    for _ in range(_MAX_RESHAPES):
+        if node is None or type(node).__name__ not in _RESHAPES:
+            break
+        node, nr = node.next_functions[0]
+    return node, int(nr)
+
+
+def _reshaping(fn: Function, shape: torch.Size) -> Function:
+    return lambda x: fn(x).reshape(shape)
 
 
 def _unread(offers: list[_Offer]) -> list[_Unread]:
