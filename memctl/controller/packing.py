@@ -118,6 +118,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
+from memctl.controller.expressions import Expression, build, is_elementwise
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
@@ -233,6 +234,13 @@ class Packer:
         self.fsdp = FsdpParameters()
         self.timings = Timings()
         self._shared = SharedDecode()
+        # NOTE [ Elementwise expressions ] in expressions.py: this forward's records by the autograd
+        # output they were packed from (the node held, so that its id is not reused meanwhile), and
+        # the bits granted to each root so far
+        self._producers: dict[tuple[int, int], tuple[Any, weakref.ref[Saved]]] = {}
+        self._granted: dict[int, int] = {}
+        self._peeking = False
+        """A walk reads a node's constants: :meth:`unpack` returns exact records only, decodes nothing."""
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -265,6 +273,7 @@ class Packer:
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
         self._shared.clear()
+        self._forget_producers()
         self._derived_index.clear()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
@@ -350,6 +359,8 @@ class Packer:
         self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
             self._regions.note(t, saved, saved.layer)
+            if t.grad_fn is not None and isinstance(saved.data, Packed | Derived):
+                self._producers[(id(t.grad_fn), int(t.output_nr))] = (t.grad_fn, weakref.ref(saved))
         if self._floors.active:  # NOTE [ Bit floors ]
             for found in self._floors.matches(t):
                 self._raise_to_floor(found)
@@ -364,6 +375,11 @@ class Packer:
         self._regions.clear()
         self._floors.clear()
         self.inputs.clear()
+        self._forget_producers()
+
+    def _forget_producers(self) -> None:
+        self._producers.clear()
+        self._granted.clear()
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
@@ -374,6 +390,8 @@ class Packer:
         for t in items:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 self._match(t)
+                if self._producers and t.is_floating_point():
+                    self._offer_expression(t)
 
     def _match(self, t: torch.Tensor) -> None:
         """:meth:`observe` for one tensor that has a ``grad_fn``."""
@@ -390,9 +408,15 @@ class Packer:
 
     def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
+        if self._peeking:  # NOTE [ Elementwise expressions ]: a constant, or nothing
+            if isinstance(saved, Saved) and isinstance(saved.data, torch.Tensor) and saved.layer is None:
+                return saved.data
+            raise RuntimeError("memctl reads only a node's exact one-value constants while packing")
         if _current_node() is not None:  # not a node field read while packing
             self._regions.clear()  # the forward is over: no pending input can still be matched
             self._floors.clear()
+            if self._producers:
+                self._forget_producers()
         if isinstance(saved, torch.Tensor):
             return saved
         if isinstance(saved, Alias):
@@ -500,6 +524,8 @@ class Packer:
         derived = self._derive(t, bits, layer, rec) if part is None else None
         if derived is None and (part is None or part == RELU):
             derived = self._derive_normalized(t, bits, layer, rec, part)
+        if derived is None and part is None and self._producers:
+            derived = self._derive_expression(t, bits, layer, rec)
         if derived is not None:
             return derived
         slot: _Slot = (layer, rec.tensors, numel)
@@ -640,6 +666,72 @@ class Packer:
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
         return Saved(Derived(source_saved, fn), t, layer=layer)
+
+    # -- NOTE [ Elementwise expressions ] in expressions.py ----------------------------------
+    def _producer(self, node: Any, nr: int) -> Saved | None:
+        entry = self._producers.get((id(node), nr))
+        return entry[1]() if entry is not None and entry[0] is node else None
+
+    @staticmethod
+    def _root_tensor(saved: Saved) -> torch.Tensor | None:
+        """A quantised record's tensor, alive and unmodified since it was packed (else None)."""
+        data = saved.data
+        if not isinstance(data, Packed) or data.codec != "quantize" or saved.layer is None:
+            return None
+        if saved.source is None:
+            return None
+        t = saved.source()
+        return t if t is not None and t._version == saved.version else None
+
+    def _expression(self, t: torch.Tensor, layer: str) -> Expression | None:
+        """``t`` rebuilt from one root record, checked against ``t`` as the NOTE asks (else None)."""
+        if self._config.codec is CodecMode.ERRORBOUND:
+            return None
+        try:
+            self._peeking = True
+            try:
+                expr = build(t, self._producer, self._root_tensor)
+            finally:
+                self._peeking = False
+            if expr is None:
+                return None
+            verified = self._regions.outputs.verified
+            if expr.always_check or expr.key not in verified:
+                if not torch.equal(expr.fn(expr.source.detach()), t.detach()):
+                    return None
+                if not expr.always_check:
+                    verified.add(expr.key)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
+            self._on_fallback(layer, exc)
+            return None
+        return expr
+
+    def _derive_expression(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep) -> Saved | None:
+        """``t`` kept as a function of its root record, whose width grows by ``bits``."""
+        expr = self._expression(t, layer)
+        if expr is None:
+            return None
+        root = expr.root
+        have = int(root.data.params["bits"])
+        granted = self._granted.get(id(root), have) + int(bits)
+        if not self._raise_root(root, expr.source, granted - have, layer, rec):
+            return None
+        self._granted[id(root)] = granted
+        rec.bit_values += bits * t.numel()
+        self._derived_range_stats(t, rec, layer)
+        return Saved(Derived(root, expr.fn), t, layer=layer)
+
+    def _offer_expression(self, t: torch.Tensor) -> None:
+        """A module's output rebuilt from a root while the root's tensor is alive, offered to
+        the layer that saves it next (NOTE [ Elementwise expressions ])."""
+        node = t.grad_fn
+        outputs = self._regions.outputs
+        if not is_elementwise(node) or outputs.offered(node):
+            return
+        expr = self._expression(t, self._tracker.current)
+        if expr is not None:
+            for unread in outputs.offer_function(node, expr.root, expr.source, expr.fn, expr.key):
+                self._raise_unread(*unread)
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
                     force: bool = False, hidden: bool = False) -> bool:

@@ -1,0 +1,153 @@
+"""NOTE [ Elementwise expressions ]: saved tensors rebuilt from one earlier record."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import memctl
+from memctl.controller import expressions
+from tests.controller.test_regions import _Act
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's activation, as Hugging Face transformers writes it."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class _Root:
+    data = None
+
+
+FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_like": lambda x: 0.5 * x * torch.tanh(0.79 * (x + 0.044715 * torch.pow(x, 3.0))),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "tanh_derivative": lambda x: 1.0 - torch.tanh(x) ** 2,
+    "affine": lambda x: x / 3.0 + 0.5,
+    "minus": lambda x: torch.sigmoid(x) * x.exp() - 2.0,
+    "reshaped": lambda x: torch.sigmoid(x.view(-1, 8)).view(x.shape) * 2.0,
+    "table_op": lambda x: nn.functional.silu(x) * 1.5,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_rebuilt_function_reproduces_the_tensor_bit_for_bit(name: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, requires_grad=True)
+    x = torch.randn(4, 16, generator=g) * 3.0 * w  # a root with a grad_fn
+    y = FUNCTIONS[name](x)
+    root = _Root()
+    nodes = {(id(x.grad_fn), 0): root}
+    expr = expressions.build(y, lambda node, nr: nodes.get((id(node), nr)),
+                             lambda s: x if s is root else None)
+    assert expr is not None and expr.root is root
+    assert torch.equal(expr.fn(x.detach()), y.detach())
+    fresh = torch.randn(4, 16, generator=g)
+    assert torch.equal(expr.fn(fresh), FUNCTIONS[name](fresh))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, z: x * z,  # two roots
+    lambda x, z: x * torch.ones(4, 16),  # a non-scalar constant
+    lambda x, z: x.t().contiguous() * 2.0,  # a permute
+    lambda x, z: x.sum(1, keepdim=True) * x,  # a reduction
+    lambda x, z: (x + 1.0) * x,  # a constant in no node, inside the expression (not the saved tensor)
+])
+def test_what_is_not_one_root_through_elementwise_ops_is_not_rebuilt(fn: Callable[..., torch.Tensor]) -> None:
+    w = torch.randn(16, requires_grad=True)
+    x, z = torch.randn(4, 16) * w, torch.randn(4, 16) * w
+    y = fn(x, z)
+    roots = {(id(x.grad_fn), 0): _Root(), (id(z.grad_fn), 0): _Root()}
+    tensors = {id(roots[(id(x.grad_fn), 0)]): x, id(roots[(id(z.grad_fn), 0)]): z}
+    expr = expressions.build(y, lambda node, nr: roots.get((id(node), nr)), lambda s: tensors.get(id(s)))
+    assert expr is None
+
+
+# -- through the controller ------------------------------------------------------------------------
+def _mlp(fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), _Act(fn), nn.Linear(256, 32))
+
+
+def _run(model: nn.Module, bits: int | None, steps: int = 1,
+         between: Callable[[int], None] | None = None) -> tuple[int, list[torch.Tensor]]:
+    """Packed bytes of the last step and each step's gradients of the first layer's bias (through the
+    activation's backward) and the last layer's weight (which reads the activation's output), plain
+    PyTorch when ``bits`` is None."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                calibration_fraction=0.0)
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for step in range(steps):
+        if between is not None:
+            between(step)
+        x = torch.randn(8, 16, 32, generator=g)  # 3-d: nn.Linear saves a reshape of its input
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+        grads.append(torch.cat([model[0].bias.grad, model[2].weight.grad.flatten()]))
+    packed = 0
+    if ctl is not None:
+        packed = sum(e["packed_bytes"] for e in ctl.stats()["layers"])
+        ctl.detach()
+    return packed, grads
+
+
+def _separate(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(expressions, "build", lambda *args: None)
+    from memctl.controller import packing
+
+    monkeypatch.setattr(packing, "build", lambda *args: None)
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_gelu_new_keeps_one_record_of_its_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """x, tanh(.), 1 + tanh(.), 0.5x and the next layer's input: one record at 8 bits, not five at 2."""
+    plain = _run(_mlp(_gelu_new), None)[1][0]
+    joint, joint_grad = _run(_mlp(_gelu_new), 2)
+    _separate(monkeypatch)
+    separate, separate_grad = _run(_mlp(_gelu_new), 2)
+    values = 8 * 16 * 256
+    assert joint < separate
+    assert separate - joint > values * 2 / 8 * 0.9  # at least the 10 bits per value that became 8
+    assert _error(joint_grad[0], plain) < 0.5 * _error(separate_grad[0], plain)
+
+
+def test_a_constant_that_changes_between_steps_is_read_again() -> None:
+    """``x + c`` keeps no ``c`` in its node: it is read off the data at every step, not cached."""
+    state = {"c": 1.0}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * (x + state["c"])
+
+    def between(step: int) -> None:
+        state["c"] = [1.0, 5.0, -3.0][step]
+
+    plain = _run(_mlp(fn), None, steps=3, between=between)[1]
+    state["c"] = 1.0
+    packed = _run(_mlp(fn), 8, steps=3, between=between)[1]
+    for a, b in zip(packed, plain, strict=True):
+        assert _error(a, b) < 0.02
+
+
+def test_a_rebuild_that_misses_the_tensor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tanh rebuilt wrongly, the records that need it keep their own payload (the others,
+    ``0.5·x``, are still rebuilt): the gradients stay as good as with separate records."""
+    plain = _run(_mlp(_gelu_new), None)[1][0]
+    joint = _run(_mlp(_gelu_new), 2)[0]
+    monkeypatch.setitem(expressions._UNARY, "TanhBackward0", torch.sigmoid)
+    wrong, wrong_grad = _run(_mlp(_gelu_new), 2)
+    _separate(monkeypatch)
+    separate, separate_grad = _run(_mlp(_gelu_new), 2)
+    assert joint < wrong < separate
+    assert _error(wrong_grad[0], plain) < 1.2 * _error(separate_grad[0], plain)
