@@ -717,6 +717,7 @@ class Packer:
         if not self._raise_root(root, expr.source, granted - have, layer, rec):
             return None
         self._granted[id(root)] = granted
+        root.readers += 1  # NOTE [ One decode for several readers ]: the root is decoded once for all
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
         return Saved(Derived(root, expr.fn), t, layer=layer)
