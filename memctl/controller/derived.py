@@ -84,7 +84,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DERIVED_MAX_BITS", "DerivableOutputs", "Derived", "output_function", "root_of", "width_within"]
+__all__ = ["DERIVED_MAX_BITS", "RESHAPES", "DerivableOutputs", "Derived", "output_function", "reshaped_from",
+           "root_of", "width_within"]
 
 DERIVED_MAX_BITS = 8
 """The most bits the input record is raised to (NOTE [ Outputs recomputed from the input ])."""
@@ -228,7 +229,10 @@ class Derived:
 
     source: Any
     """The input's ``Saved`` record (strong: ``y``'s backward runs before ``x``'s)."""
-    fn: Function
+    fn: Callable[..., torch.Tensor]
+    """The decoded ``source`` (then the decoded ``others``, in order) to the output."""
+    others: tuple[Any, ...] = ()
+    """More input records (NOTE [ Elementwise expressions ] in expressions.py: a second root)."""
 
     @property
     def codec(self) -> str:
@@ -252,8 +256,6 @@ class _Offer:
     version: int
     fn: Function | None
     """None: read off the output when it is saved (:data:`_FROM_DATA`)."""
-    key: tuple[Any, ...] | None = None
-    """What a check of ``fn`` holds for (None: the node's op name, dtype and device)."""
 
 
 class DerivableOutputs:
@@ -308,17 +310,6 @@ class DerivableOutputs:
     def offered(self, node: Any) -> bool:
         return id(node) in self._offers
 
-    def offer_function(self, node: Any, saved: Any, source: torch.Tensor, fn: Function,
-                       key: tuple[Any, ...]) -> list[_Unread]:
-        """:meth:`offer` of a function rebuilt elsewhere (NOTE [ Elementwise expressions ] in
-        expressions.py): ``node``'s output is ``fn(source)``, ``source`` recorded as ``saved``."""
-        self._offers.pop(id(node), None)
-        self._offers[id(node)] = _Offer(node, weakref.ref(saved), source, source._version, fn, key)
-        evicted = []
-        while len(self._offers) > _OFFERS:
-            evicted.append(self._offers.pop(next(iter(self._offers))))
-        return _unread(evicted)
-
     def leftover(self) -> list[_Unread]:
         """``(input record, input)`` of value-dependent ops whose output nobody saved; clears the table."""
         out = _unread(list(self._offers.values()))
@@ -338,9 +329,7 @@ class DerivableOutputs:
             return None
         saved = offer.saved()
         reshaped = node is not t.grad_fn
-        key = (type(node).__name__, t.dtype, t.device.type) if offer.key is None else offer.key
-        if reshaped:
-            key = (*key, "reshape")
+        key = (type(node).__name__ + ("/reshape" if reshaped else ""), t.dtype, t.device.type)
         fn = offer.fn
         if fn is None:
             try:
@@ -356,16 +345,16 @@ class DerivableOutputs:
 _OFFERS = 2
 
 # Autograd nodes of ops whose output is their input's values in the same (row-major) order.
-_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
-_MAX_RESHAPES = 4
+RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+_MAXRESHAPES = 4
 
 
 def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
     """The node (and output number) whose output ``t`` is, looking through up to
-    :data:`_MAX_RESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
+    :data:`_MAXRESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
     node, nr = t.grad_fn, int(t.output_nr)
-    for _ in range(_MAX_RESHAPES):
-        if node is None or type(node).__name__ not in _RESHAPES:
+    for _ in range(_MAXRESHAPES):
+        if node is None or type(node).__name__ not in RESHAPES:
             break
         node, nr = node.next_functions[0]
     return node, int(nr)

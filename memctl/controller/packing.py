@@ -117,7 +117,7 @@ import torch
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.derived import DERIVED_MAX_BITS, Derived, root_of, width_within
+from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
 from memctl.controller.expressions import Expression, build, is_elementwise
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
@@ -139,6 +139,9 @@ _log = logging.getLogger("memctl.controller")
 
 # grad_fn names of ops whose saved output is never quantised (NOTE [ What is compressed ]).
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
+_OFFERED = 2
+_RECENT = 2
+"""Module outputs held for the next layer (NOTE [ Elementwise expressions ]), as for derived.py's offers."""
 
 _DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
@@ -239,6 +242,11 @@ class Packer:
         # the bits granted to each root so far
         self._producers: dict[tuple[int, int], tuple[Any, weakref.ref[Saved]]] = {}
         self._granted: dict[int, int] = {}
+        self._offered: dict[int, tuple[Any, Expression]] = {}
+        self._recent: list[torch.Tensor] = []
+        """The last floating-point tensors recorded, held until two more are (roots of a product
+        that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
+        """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
         self._peeking = False
         """A walk reads a node's constants: :meth:`unpack` returns exact records only, decodes nothing."""
 
@@ -361,6 +369,9 @@ class Packer:
             self._regions.note(t, saved, saved.layer)
             if t.grad_fn is not None and isinstance(saved.data, Packed | Derived):
                 self._producers[(id(t.grad_fn), int(t.output_nr))] = (t.grad_fn, weakref.ref(saved))
+                self._recent.append(t)
+                if len(self._recent) > _RECENT:
+                    del self._recent[0]
         if self._floors.active:  # NOTE [ Bit floors ]
             for found in self._floors.matches(t):
                 self._raise_to_floor(found)
@@ -380,6 +391,8 @@ class Packer:
     def _forget_producers(self) -> None:
         self._producers.clear()
         self._granted.clear()
+        self._offered.clear()
+        self._recent.clear()
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
@@ -446,7 +459,8 @@ class Packer:
             if fused is not None and masked is not None:
                 out = masked(source, fused.planes[0].buffers["payload"], mask_floor(saved.dtype))
             if out is None:
-                fused, out = None, data.fn(source)
+                others = [self.unpack(o) for o in data.others]  # NOTE [ Elementwise expressions ]
+                fused, out = None, data.fn(source, *others)
         else:
             codec: Any = self._codec(data.codec)
             # NOTE [ ReLU masks ]
@@ -674,9 +688,11 @@ class Packer:
 
     @staticmethod
     def _root_tensor(saved: Saved) -> torch.Tensor | None:
-        """A quantised record's tensor, alive and unmodified since it was packed (else None)."""
+        """A quantised or rebuilt record's tensor, alive and unmodified since it was packed (else None)."""
         data = saved.data
-        if not isinstance(data, Packed) or data.codec != "quantize" or saved.layer is None:
+        if not (isinstance(data, Derived) or (isinstance(data, Packed) and data.codec == "quantize")):
+            return None
+        if saved.layer is None:
             return None
         if saved.source is None:
             return None
@@ -697,7 +713,7 @@ class Packer:
                 return None
             verified = self._regions.outputs.verified
             if expr.always_check or expr.key not in verified:
-                if not torch.equal(expr.fn(expr.source.detach()), t.detach()):
+                if not torch.equal(expr.fn(tuple(s.detach() for s in expr.sources)), t.detach()):
                     return None
                 if not expr.always_check:
                     verified.add(expr.key)
@@ -707,32 +723,54 @@ class Packer:
         return expr
 
     def _derive_expression(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep) -> Saved | None:
-        """``t`` kept as a function of its root record, whose width grows by ``bits``."""
-        expr = self._expression(t, layer)
+        """``t`` kept as a function of its roots, the narrowest of which grows by ``bits``."""
+        expr = self._take_offered(t)
+        if expr is None:
+            expr = self._expression(t, layer)
         if expr is None:
             return None
-        root = expr.root
-        have = int(root.data.params["bits"])
-        granted = self._granted.get(id(root), have) + int(bits)
-        if not self._raise_root(root, expr.source, granted - have, layer, rec):
-            return None
-        self._granted[id(root)] = granted
-        root.readers += 1  # NOTE [ One decode for several readers ]: the root is decoded once for all
+        quantised = [r for r in expr.roots if isinstance(r.data, Packed)]
+        if quantised:  # the bits go to the narrowest quantised root (a rebuilt root has no width)
+            root = min(quantised, key=lambda r: int(r.data.params["bits"]))
+            source = expr.sources[expr.roots.index(root)]
+            have = int(root.data.params["bits"])
+            granted = self._granted.get(id(root), have) + int(bits)
+            if not self._raise_root(root, source, granted - have, layer, rec):
+                return None
+            self._granted[id(root)] = granted
+        for r in expr.roots:
+            r.readers += 1  # NOTE [ One decode for several readers ]: a root is decoded once for all
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
-        return Saved(Derived(root, expr.fn), t, layer=layer)
+        fn, shape = expr.fn, t.shape
+        derived = Derived(expr.roots[0], lambda *xs: fn(xs).reshape(shape), expr.roots[1:])
+        return Saved(derived, t, layer=layer)
+
+    def _take_offered(self, t: torch.Tensor) -> Expression | None:
+        """The expression :meth:`_offer_expression` found for ``t``, or for the tensor ``t`` reshapes."""
+        if not self._offered or t.grad_fn is None:
+            return None
+        node, nr = reshaped_from(t)
+        entry = self._offered.pop(id(node), None)
+        if entry is None or entry[0] is not node or nr != 0:
+            return None
+        expr = entry[1]
+        if any(s._version != r.version for s, r in zip(expr.sources, expr.roots, strict=True)):
+            return None
+        return expr
 
     def _offer_expression(self, t: torch.Tensor) -> None:
-        """A module's output rebuilt from a root while the root's tensor is alive, offered to
-        the layer that saves it next (NOTE [ Elementwise expressions ])."""
+        """A module's output rebuilt from its roots while their tensors are alive, kept (with the
+        tensors) for the layer that saves it next (NOTE [ Elementwise expressions ])."""
         node = t.grad_fn
-        outputs = self._regions.outputs
-        if not is_elementwise(node) or outputs.offered(node):
+        if not is_elementwise(node) or self._regions.outputs.offered(node) or id(node) in self._offered:
             return
         expr = self._expression(t, self._tracker.current)
-        if expr is not None:
-            for unread in outputs.offer_function(node, expr.root, expr.source, expr.fn, expr.key):
-                self._raise_unread(*unread)
+        if expr is None:
+            return
+        self._offered[id(node)] = (node, expr)
+        while len(self._offered) > _OFFERED:
+            del self._offered[next(iter(self._offered))]
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
                     force: bool = False, hidden: bool = False) -> bool:
