@@ -141,6 +141,13 @@ _log = logging.getLogger("memctl.controller")
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
 _OFFERED = 2
 _RECENT = 2
+_MISSES = 4
+_RETRY = 64
+
+
+def _shape_of(node: Any) -> tuple[str, ...]:
+    """A node's op and its inputs' ops (NOTE [ Elementwise expressions ]: which walks to skip)."""
+    return (type(node).__name__, *(type(n).__name__ for n, _ in node.next_functions if n is not None))
 """Module outputs held for the next layer (NOTE [ Elementwise expressions ]), as for derived.py's offers."""
 
 _DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
@@ -244,6 +251,10 @@ class Packer:
         self._granted: dict[int, int] = {}
         self._offered: dict[int, tuple[Any, Expression]] = {}
         self._recent: list[torch.Tensor] = []
+        self._misses: dict[tuple[str, ...], int] = {}
+        """Walks that rebuilt nothing, by the shape of the graph at the packed tensor (its node and
+        the nodes of its inputs): after :data:`_MISSES` of them, one walk in :data:`_RETRY`."""
+        self._rebuilt: set[tuple[str, ...]] = set()
         """The last floating-point tensors recorded, held until two more are (roots of a product
         that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
         """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
@@ -700,17 +711,26 @@ class Packer:
         return t if t is not None and t._version == saved.version else None
 
     def _expression(self, t: torch.Tensor, layer: str) -> Expression | None:
-        """``t`` rebuilt from one root record, checked against ``t`` as the NOTE asks (else None)."""
-        if self._config.codec is CodecMode.ERRORBOUND:
+        """``t`` rebuilt from its roots, checked against ``t`` as the NOTE asks (else None)."""
+        if self._config.codec is CodecMode.ERRORBOUND or t.grad_fn is None:
             return None
         try:
+            shape = _shape_of(t.grad_fn)
+            misses = self._misses.get(shape, 0)
+            if misses >= _MISSES and misses % _RETRY:
+                self._misses[shape] = misses + 1  # this shape of graph was never rebuilt: walked now and then
+                return None
             self._peeking = True
             try:
                 expr = build(t, self._producer, self._root_tensor)
             finally:
                 self._peeking = False
             if expr is None:
+                if shape not in self._rebuilt:
+                    self._misses[shape] = misses + 1
                 return None
+            self._rebuilt.add(shape)
+            self._misses.pop(shape, None)
             verified = self._regions.outputs.verified
             if expr.always_check or expr.key not in verified:
                 if not torch.equal(expr.fn(tuple(s.detach() for s in expr.sources)), t.detach()):

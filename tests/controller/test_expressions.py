@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -204,3 +205,40 @@ def test_swiglu_product_is_read_from_its_two_roots(monkeypatch: pytest.MonkeyPat
     separate, separate_grad = _swiglu_run(2)
     assert joint <= separate
     assert _error(joint_grad, plain) < _error(separate_grad, plain)
+
+
+class _Loop(nn.Module):
+    """A recurrence whose saved tensors are elementwise ops of two matmuls: no walk ever rebuilds one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.u = nn.Linear(128, 128), nn.Linear(128, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x)
+        for _ in range(100):
+            h = torch.tanh(self.w(x) + self.u(h))
+        return h
+
+
+def test_a_graph_shape_that_never_rebuilds_is_walked_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memctl.controller import packing
+
+    calls = {"n": 0}
+    real = packing.build
+
+    def counted(*args: Any) -> Any:
+        calls["n"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(packing, "build", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Loop())  # inside a layer: the model's own ops are kept exact
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    model(torch.randn(64, 128)).square().sum().backward()  # 8,192 values: compressed
+    opt.step()
+    ctl.detach()
+    # one shape of graph (tanh of a sum of two matmuls), 100 times: 4 walks, then 1 in 64
+    assert 4 <= calls["n"] <= 4 + 100 // 64 + 1, calls
