@@ -141,6 +141,19 @@ _log = logging.getLogger("memctl.controller")
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
 _OFFERED = 2
 _RECENT = 2
+_LOSS_NODES = 8
+"""Nodes searched from a model output for the loss that reads a log-softmax (NOTE [ Rows no loss reads ])."""
+
+
+@dataclass(eq=False)
+class _HeldLogProbs:
+    node: Any
+    saved: Saved
+    source: torch.Tensor
+    layer: str
+    version: int
+    losses: int = 0
+    rows: torch.Tensor | None = None
 _MISSES = 4
 _RETRY = 64
 
@@ -251,6 +264,8 @@ class Packer:
         self._granted: dict[int, int] = {}
         self._offered: dict[int, tuple[Any, Expression]] = {}
         self._recent: list[torch.Tensor] = []
+        self._held_log_probs: dict[int, _HeldLogProbs] = {}
+        """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._misses: dict[tuple[str, ...], int] = {}
         """Walks that rebuilt nothing, by the shape of the graph at the packed tensor (its node and
         the nodes of its inputs): after :data:`_MISSES` of them, one walk in :data:`_RETRY`."""
@@ -293,6 +308,8 @@ class Packer:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
         self._shared.clear()
         self._forget_producers()
+        if self._held_log_probs:
+            self._flush_log_probs()
         self._derived_index.clear()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
@@ -392,12 +409,85 @@ class Packer:
 
     def end_forward(self) -> None:
         """The model's forward ended: no pending input can be matched any more."""
+        if self._held_log_probs:
+            self._flush_log_probs()
         for saved, source in self._regions.outputs.leftover():
             self._raise_unread(saved, source)
         self._regions.clear()
         self._floors.clear()
         self.inputs.clear()
         self._forget_producers()
+
+    def _peek(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
+        """A node field read during the forward (NOTE [ Elementwise expressions ]: constants; NOTE
+        [ Rows no loss reads ]: a loss's target): exact records, with none of :meth:`unpack`'s
+        bookkeeping; anything lossy raises."""
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if isinstance(saved, SavedRef):
+            return saved.unpack()
+        if isinstance(saved, Saved):
+            data = saved.data
+            if isinstance(data, torch.Tensor) and saved.layer is None:
+                return data
+            if isinstance(data, Packed) and data.codec == "lossless" and not saved.dtype.is_floating_point:
+                out: torch.Tensor = self._codec("lossless").decode(data)
+                return out
+        raise RuntimeError("memctl reads only exact records of a node while packing")
+
+    # -- NOTE [ Rows no loss reads ] in logprobs.py -------------------------------------------
+    def _find_losses(self, t: torch.Tensor) -> None:
+        """Record, for each held log-softmax output an ``nll_loss`` within a few nodes of ``t`` reads,
+        the rows whose target is not ignored."""
+        stack: list[Any] = [t.grad_fn]
+        seen = 0
+        while stack and seen < _LOSS_NODES:
+            node = stack.pop()
+            seen += 1
+            if type(node).__name__ != "NllLossBackward0":
+                stack.extend(n for n, _ in node.next_functions if n is not None)
+                continue
+            source, nr = node.next_functions[0]
+            held = self._held_log_probs.get(id(source)) if source is not None else None
+            if held is None or held.node is not source or nr != 0:
+                continue
+            held.losses += 1
+            held.rows = self._kept_rows(node, held.source)
+
+    def _kept_rows(self, node: Any, y: torch.Tensor) -> torch.Tensor | None:
+        """The rows of ``y`` (N, V) whose target the loss ``node`` does not ignore, or None (all)."""
+        ignore = getattr(node, "_saved_ignore_index", None)
+        if not isinstance(ignore, int) or y.dim() != 2:
+            return None
+        self._peeking = True  # the target is an integer tensor: exact however it was stored
+        try:
+            target = node._saved_target
+        except RuntimeError:
+            return None
+        finally:
+            self._peeking = False
+        if target.dim() != 1 or target.numel() != y.shape[0]:
+            return None
+        return (target != ignore).nonzero().reshape(-1)
+
+    def _flush_log_probs(self) -> None:
+        """Encode the held log-softmax outputs (NOTE [ Rows no loss reads ])."""
+        held_all, self._held_log_probs = self._held_log_probs, {}
+        bits = self._config.log_prob_bits
+        for held in held_all.values():
+            saved = held.saved
+            if bits is None or saved.data is not held.source or held.source._version != held.version:
+                continue  # modified in place: kept as it is, exact (autograd's own check follows)
+            rows = held.rows if held.losses == 1 and saved.readers <= 2 else None
+            if rows is not None and rows.numel() == held.source.shape[0]:
+                rows = None
+            kept = self._log_probs(held.source, held.layer, bits, rows)
+            if kept is None:
+                continue
+            saved.data = kept
+            rec = self.record(held.layer)
+            rec.fixed_bytes += kept.nbytes - held.source.nbytes
+            rec.packed_bytes += kept.nbytes - held.source.nbytes
 
     def _forget_producers(self) -> None:
         self._producers.clear()
@@ -416,6 +506,8 @@ class Packer:
                 self._match(t)
                 if self._producers and t.is_floating_point():
                     self._offer_expression(t)
+                if self._held_log_probs:
+                    self._find_losses(t)
 
     def _match(self, t: torch.Tensor) -> None:
         """:meth:`observe` for one tensor that has a ``grad_fn``."""
@@ -432,10 +524,8 @@ class Packer:
 
     def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
-        if self._peeking:  # NOTE [ Elementwise expressions ]: a constant, or nothing
-            if isinstance(saved, Saved) and isinstance(saved.data, torch.Tensor) and saved.layer is None:
-                return saved.data
-            raise RuntimeError("memctl reads only a node's exact one-value constants while packing")
+        if self._peeking:  # a node's field read in the forward: exact records only, nothing decoded lossily
+            return self._peek(saved)
         if _current_node() is not None:  # not a node field read while packing
             self._regions.clear()  # the forward is over: no pending input can still be matched
             self._floors.clear()
@@ -520,6 +610,13 @@ class Packer:
         config = self._config
         node = t.grad_fn
         if config.log_prob_bits is not None and numel >= config.min_numel and is_log_softmax(t):
+            if layer != ROOT and t.dim() == 2 and node is not None:  # NOTE [ Rows no loss reads ]
+                raw = t.detach()
+                held = Saved(raw, t)
+                self._held_log_probs[id(node)] = _HeldLogProbs(node, held, raw, layer, t._version)
+                rec.fixed_bytes += nbytes  # exact until the forward ends
+                rec.packed_bytes += nbytes
+                return held
             kept = self._log_probs(t, layer, config.log_prob_bits)
             if kept is not None:
                 rec.fixed_bytes += kept.nbytes
@@ -635,12 +732,13 @@ class Packer:
             if not entry[1]:
                 del self._metas[id(rec)]
 
-    def _log_probs(self, t: torch.Tensor, layer: str, bits: int) -> LogProbs | None:
-        """``t`` as quantised probabilities, or None (kept exact) if that fails."""
+    def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
+                   rows: torch.Tensor | None = None) -> LogProbs | None:
+        """``t`` (only ``rows``, if given) as quantised probabilities, or None (kept exact) if that fails."""
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         try:
-            return encode_log_probs(t, self._codec("quantize"), bits, seed, self._config.group_size)
+            return encode_log_probs(t, self._codec("quantize"), bits, seed, self._config.group_size, rows)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             return None

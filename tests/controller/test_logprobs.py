@@ -28,7 +28,9 @@ def test_log_softmax_output_is_stored_at_8_bits_not_copied() -> None:
     y = F.log_softmax(_logits(), dim=-1)
     packer = _packer()
     saved = packer.pack(y)
-    assert isinstance(saved, Saved) and isinstance(saved.data, LogProbs)
+    assert isinstance(saved, Saved) and saved.data is not None
+    packer.end_forward()  # inside a model's forward the record is encoded when the forward ends
+    assert isinstance(saved.data, LogProbs)
     raw = y.numel() * y.element_size()
     assert saved.data.nbytes < raw / 3.5  # 8 bits per value plus group metadata
     (rec,) = packer.finish_step().values()
@@ -94,6 +96,7 @@ def test_cross_entropy_gradient_is_unbiased_and_close() -> None:
         packer.begin_step(seed)
         with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
             loss = F.cross_entropy(logits, target)
+        packer.end_forward()
         loss.backward()
         grads.append(logits.grad.clone())
         logits.grad = None
@@ -133,3 +136,60 @@ def test_a_language_model_head_under_the_controller() -> None:
         opt.zero_grad(set_to_none=True)
     assert results[8][0] > 0.9999
     assert results[8][1] > 2.0 * results[None][1]  # the log-probabilities dominate the saved bytes
+
+
+# -- NOTE [ Rows no loss reads ] ----------------------------------------------------------------
+class _MaskedLM(torch.nn.Module):
+    """A masked language model that computes its loss in its forward, as Hugging Face models do."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512)
+        self.extra = extra
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(tokens)).reshape(-1, 512)
+        if not self.extra:
+            return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
+        logp = F.log_softmax(logits, dim=-1)  # read again below: all rows are needed
+        entropy = -(logp.exp() * logp).sum(-1).mean()
+        return F.nll_loss(logp, labels.reshape(-1), ignore_index=-100) - 0.1 * entropy
+
+
+def _masked_lm(extra: bool, bits: int | None) -> tuple[int, torch.Tensor]:
+    """The model's bytes (``<model>``'s record, the log-probabilities) and its gradient."""
+    torch.manual_seed(0)
+    model = _MaskedLM(extra)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 512, (16, 32), generator=g)
+    labels = torch.where(torch.rand(16, 32, generator=g) < 0.15, tokens, torch.full_like(tokens, -100))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = None
+    if bits is not None:
+        ctl = memctl.Controller(model, opt, bits=float(bits), monitor_interval_s=0, calibration_fraction=0)
+    model(tokens, labels).backward()
+    opt.step()
+    packed = 0
+    if ctl is not None:
+        packed = next(e["packed_bytes"] for e in ctl.stats()["layers"] if e["name"] == "<model>")
+        ctl.detach()
+    return packed, torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_rows_the_loss_ignores_are_not_stored() -> None:
+    full_rows = 16 * 32 * 512  # one byte per value at 8 bits
+    packed, grad = _masked_lm(False, 8)
+    plain = _masked_lm(False, None)[1]
+    assert packed < 0.25 * full_rows  # about 15% of the rows
+    assert _cos(grad, plain) > 0.9999
+
+
+def test_rows_are_all_kept_when_another_op_reads_the_log_probabilities() -> None:
+    packed, grad = _masked_lm(True, 8)
+    plain = _masked_lm(True, None)[1]
+    assert packed > 16 * 32 * 512  # every row, at 8 bits, and its group floors
+    assert _cos(grad, plain) > 0.9999
