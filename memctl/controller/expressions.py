@@ -50,12 +50,15 @@ alive, and kept with its roots' tensors (at most two outputs, as for derived.py'
 offers), so that the next layer, which saves it (or a reshape of it) after the input is
 gone, reads it from the roots.
 
-Cost: a walk that rebuilds nothing is ~10 µs of Python (a GRU packs ~600 tensors a step
-whose walks all fail: 6 ms of a 260 ms step). The packer keys each walk by the shape of
-the graph at the tensor (its node's op and its inputs' ops); once a shape has missed
-four times and never been rebuilt, only one walk in 64 is tried for it (:data:`_MISSES`,
-:data:`_RETRY` in packing.py), which took the GRU's walks to 1.7 ms a step. Skipping a
-walk only keeps a tensor's own record.
+Cost: a check is a recomputation of ``f`` and a comparison (on CUDA, a device-to-host
+read: GPT-2's ``gelu_new`` checks three records per layer and step, because ``1 + tanh``
+takes its constant off the data; not measured on a GPU). A walk that rebuilds nothing
+is ~10 µs of Python (a GRU packs ~600 tensors a step whose walks all fail: 6 ms of a
+260 ms step). The packer keys each walk by the shape of the graph at the tensor (its
+node's op and its inputs' ops); once a shape has missed four times and never been
+rebuilt, only one walk in 64 is tried for it (:data:`_MISSES`, :data:`_RETRY` in
+packing.py), which took the GRU's walks to 1.7 ms a step. Skipping a walk only keeps a
+tensor's own record.
 
 Not rebuilt: broadcasts against non-scalar tensors, dtype conversions, permutes,
 reductions, random ops (dropout), three or more roots, roots of another size than the
