@@ -452,12 +452,20 @@ class Packer:
             if held is None or held.node is not source or nr != 0:
                 continue
             held.losses += 1
-            held.rows = self._kept_rows(node, held.source)
+            held.rows = self._kept_rows(node, held)
 
-    def _kept_rows(self, node: Any, y: torch.Tensor) -> torch.Tensor | None:
-        """The rows of ``y`` (N, V) whose target the loss ``node`` does not ignore, or None (all)."""
+    def _kept_rows(self, node: Any, held: _HeldLogProbs) -> torch.Tensor | None:
+        """The rows of the held ``y`` (N, V) whose target the loss ``node`` does not ignore, or
+        None (all): only when the softmax runs along each row, so that a row's gradient is 0
+        wherever its ``g`` is."""
+        y = held.source
         ignore = getattr(node, "_saved_ignore_index", None)
-        if not isinstance(ignore, int) or y.dim() != 2:
+        dim = getattr(held.node, "_saved_dim", None)
+        if not isinstance(ignore, int) or not isinstance(dim, int) or y.dim() != 2:
+            return None
+        if dim >= 2**63:
+            dim -= 2**64  # the node reports an int64 as unsigned (−1 reads 2⁶⁴ − 1)
+        if dim not in (1, -1):
             return None
         self._peeking = True  # the target is an integer tensor: exact however it was stored
         try:

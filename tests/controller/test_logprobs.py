@@ -142,13 +142,16 @@ def test_a_language_model_head_under_the_controller() -> None:
 class _MaskedLM(torch.nn.Module):
     """A masked language model that computes its loss in its forward, as Hugging Face models do."""
 
-    def __init__(self, extra: bool = False) -> None:
+    def __init__(self, extra: bool = False, softmax_dim: int = -1) -> None:
         super().__init__()
         self.embed, self.head = torch.nn.Embedding(512, 64), torch.nn.Linear(64, 512)
-        self.extra = extra
+        self.extra, self.softmax_dim = extra, softmax_dim
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.embed(tokens)).reshape(-1, 512)
+        if self.softmax_dim != -1:  # a softmax across rows: every row's values reach the gradient
+            logp = F.log_softmax(logits, dim=self.softmax_dim)
+            return F.nll_loss(logp, labels.reshape(-1), ignore_index=-100)
         if not self.extra:
             return F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
         logp = F.log_softmax(logits, dim=-1)  # read again below: all rows are needed
@@ -156,10 +159,10 @@ class _MaskedLM(torch.nn.Module):
         return F.nll_loss(logp, labels.reshape(-1), ignore_index=-100) - 0.1 * entropy
 
 
-def _masked_lm(extra: bool, bits: int | None) -> tuple[int, torch.Tensor]:
+def _masked_lm(extra: bool, bits: int | None, softmax_dim: int = -1) -> tuple[int, torch.Tensor]:
     """The model's bytes (``<model>``'s record, the log-probabilities) and its gradient."""
     torch.manual_seed(0)
-    model = _MaskedLM(extra)
+    model = _MaskedLM(extra, softmax_dim)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (16, 32), generator=g)
     labels = torch.where(torch.rand(16, 32, generator=g) < 0.15, tokens, torch.full_like(tokens, -100))
@@ -192,4 +195,12 @@ def test_rows_are_all_kept_when_another_op_reads_the_log_probabilities() -> None
     packed, grad = _masked_lm(True, 8)
     plain = _masked_lm(True, None)[1]
     assert packed > 16 * 32 * 512  # every row, at 8 bits, and its group floors
+    assert _cos(grad, plain) > 0.9999
+
+
+def test_rows_are_all_kept_when_the_softmax_runs_across_rows() -> None:
+    """log_softmax over dim 0: an ignored row's gradient is ``−exp(y)·Σg`` of its column, not 0."""
+    packed, grad = _masked_lm(False, 8, softmax_dim=0)
+    plain = _masked_lm(False, None, softmax_dim=0)[1]
+    assert packed > 16 * 32 * 512
     assert _cos(grad, plain) > 0.9999
