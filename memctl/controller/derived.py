@@ -346,14 +346,14 @@ _OFFERS = 2
 
 # Autograd nodes of ops whose output is their input's values in the same (row-major) order.
 RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
-_MAXRESHAPES = 4
+_MAX_RESHAPES = 4
 
 
 def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
     """The node (and output number) whose output ``t`` is, looking through up to
-    :data:`_MAXRESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
+    :data:`_MAX_RESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
     node, nr = t.grad_fn, int(t.output_nr)
-    for _ in range(_MAXRESHAPES):
+    for _ in range(_MAX_RESHAPES):
         if node is None or type(node).__name__ not in RESHAPES:
             break
         node, nr = node.next_functions[0]

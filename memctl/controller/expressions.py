@@ -129,6 +129,9 @@ class Expression:
     """Structure, constants, dtype and device: what a check of ``fn`` holds for."""
     always_check: bool
     """A constant was read off the data or a record's function applied: check every time."""
+    checked: bool = False
+    """Already checked on this data: the packed tensor is ``c`` shifted from the rest, and ``c`` was
+    found by reproducing every one of its values."""
 
 
 class _Walk:
@@ -139,6 +142,7 @@ class _Walk:
         self.sources: list[torch.Tensor] = []
         self.visits = 0
         self.always_check = False
+        self.checked = False
 
     def record(self, saved: Any) -> tuple[Rebuild, Any] | None:
         """A record as a function of the roots."""
@@ -215,8 +219,7 @@ class _Walk:
             right = self.node(b, edges[1][1], False, None) if left is not None else None
             if left is None or right is None:
                 return None
-            two: Callable[..., torch.Tensor] = torch.mul if name == "MulBackward0" else torch.div
-            return _binary(two, left[0], right[0], 1), (name, left[1], right[1])
+            return _binary(op, left[0], right[0], 1), (name, left[1], right[1])
         if b is None and a is not None:
             c = _scalar(node, "_saved_other")
             inner = self.node(a, edges[0][1], False, None) if c is not None else None
@@ -244,8 +247,7 @@ class _Walk:
             right = self.node(edges[1][0], edges[1][1], False, None) if left is not None else None
             if left is None or right is None:
                 return None
-            op = torch.add if name == "AddBackward0" else torch.sub
-            return _binary(op, left[0], right[0], alpha), (name, alpha, left[1], right[1])
+            return _binary(_SHIFTS[name], left[0], right[0], alpha), (name, alpha, left[1], right[1])
         if edges[0][0] is None or target is None or not top:
             return None  # the constant is in no node: read off the data, and only from the packed tensor
         inner = self.node(edges[0][0], edges[0][1], False, None)
@@ -256,6 +258,7 @@ class _Walk:
         if c is None:
             return None
         self.always_check = True
+        self.checked = True  # the constant reproduced every value of the packed tensor: the whole check
         return _right(_SHIFTS[name], g, c), (name, alpha, k)
 
 
@@ -359,4 +362,4 @@ def build(t: torch.Tensor, lookup: Lookup,
     g, key = found
     shape = t.shape
     return Expression(tuple(walk.roots), tuple(walk.sources), lambda xs: g(xs).reshape(shape),
-                      (key, t.dtype, t.device.type), walk.always_check)
+                      (key, t.dtype, t.device.type), walk.always_check, walk.checked)

@@ -105,10 +105,11 @@ These rules in the context of a whole step: docs/design.md, "Pack: what is compr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,29 +140,37 @@ _log = logging.getLogger("memctl.controller")
 
 # grad_fn names of ops whose saved output is never quantised (NOTE [ What is compressed ]).
 _EXACT_OPS = frozenset({"LogSoftmaxBackward0", "LogSoftmaxBackward1"})
+# NOTE [ Elementwise expressions ] in expressions.py
 _OFFERED = 2
+"""Module outputs held for the next layer, as for derived.py's offers."""
 _RECENT = 2
+"""Recorded tensors held until this many more are recorded (a product's operands)."""
+_MISSES = 4
+_RETRY = 64
+"""A graph shape that missed :data:`_MISSES` walks and was never rebuilt is walked once in this many."""
+
 _LOSS_NODES = 8
 """Nodes searched from a model output for the loss that reads a log-softmax (NOTE [ Rows no loss reads ])."""
 
 
+def _shape_of(node: Any) -> tuple[str, ...]:
+    """A node's op and its inputs' ops (NOTE [ Elementwise expressions ]: which walks to skip)."""
+    return (type(node).__name__, *(type(n).__name__ for n, _ in node.next_functions if n is not None))
+
+
 @dataclass(eq=False)
 class _HeldLogProbs:
+    """A log-softmax output held raw until the model's forward ends (NOTE [ Rows no loss reads ])."""
+
     node: Any
     saved: Saved
     source: torch.Tensor
     layer: str
     version: int
     losses: int = 0
+    """The ``nll_loss`` nodes among the model's outputs that read it."""
     rows: torch.Tensor | None = None
-_MISSES = 4
-_RETRY = 64
-
-
-def _shape_of(node: Any) -> tuple[str, ...]:
-    """A node's op and its inputs' ops (NOTE [ Elementwise expressions ]: which walks to skip)."""
-    return (type(node).__name__, *(type(n).__name__ for n, _ in node.next_functions if n is not None))
-"""Module outputs held for the next layer (NOTE [ Elementwise expressions ]), as for derived.py's offers."""
+    """The rows the last of them does not ignore (None: all)."""
 
 _DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
@@ -263,18 +272,19 @@ class Packer:
         self._producers: dict[tuple[int, int], tuple[Any, weakref.ref[Saved]]] = {}
         self._granted: dict[int, int] = {}
         self._offered: dict[int, tuple[Any, Expression]] = {}
+        """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
         self._recent: list[torch.Tensor] = []
-        self._held_log_probs: dict[int, _HeldLogProbs] = {}
-        """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
+        """The last floating-point tensors recorded, held until two more are (roots of a product
+        that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
         self._misses: dict[tuple[str, ...], int] = {}
         """Walks that rebuilt nothing, by the shape of the graph at the packed tensor (its node and
         the nodes of its inputs): after :data:`_MISSES` of them, one walk in :data:`_RETRY`."""
         self._rebuilt: set[tuple[str, ...]] = set()
-        """The last floating-point tensors recorded, held until two more are (roots of a product
-        that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
-        """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
+        """Graph shapes that were rebuilt at least once: always walked."""
+        self._held_log_probs: dict[int, _HeldLogProbs] = {}
+        """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._peeking = False
-        """A walk reads a node's constants: :meth:`unpack` returns exact records only, decodes nothing."""
+        """A node's fields are being read in the forward: :meth:`unpack` returns exact records only."""
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -418,6 +428,15 @@ class Packer:
         self.inputs.clear()
         self._forget_producers()
 
+    @contextlib.contextmanager
+    def _reading_fields(self) -> Iterator[None]:
+        """Node fields read in the forward go through :meth:`_peek`, not a decode."""
+        self._peeking = True
+        try:
+            yield
+        finally:
+            self._peeking = False
+
     def _peek(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """A node field read during the forward (NOTE [ Elementwise expressions ]: constants; NOTE
         [ Rows no loss reads ]: a loss's target): exact records, with none of :meth:`unpack`'s
@@ -467,13 +486,11 @@ class Packer:
             dim -= 2**64  # the node reports an int64 as unsigned (−1 reads 2⁶⁴ − 1)
         if dim not in (1, -1):
             return None
-        self._peeking = True  # the target is an integer tensor: exact however it was stored
         try:
-            target = node._saved_target
+            with self._reading_fields():  # the target is an integer tensor: exact however it was stored
+                target = node._saved_target
         except RuntimeError:
             return None
-        finally:
-            self._peeking = False
         if target.dim() != 1 or target.numel() != y.shape[0]:
             return None
         return (target != ignore).nonzero().reshape(-1)
@@ -826,11 +843,8 @@ class Packer:
             if misses >= _MISSES and misses % _RETRY:
                 self._misses[shape] = misses + 1  # this shape of graph was never rebuilt: walked now and then
                 return None
-            self._peeking = True
-            try:
+            with self._reading_fields():
                 expr = build(t, self._producer, self._root_tensor)
-            finally:
-                self._peeking = False
             if expr is None:
                 if shape not in self._rebuilt:
                     self._misses[shape] = misses + 1
@@ -838,7 +852,7 @@ class Packer:
             self._rebuilt.add(shape)
             self._misses.pop(shape, None)
             verified = self._regions.outputs.verified
-            if expr.always_check or expr.key not in verified:
+            if not expr.checked and (expr.always_check or expr.key not in verified):
                 if not torch.equal(expr.fn(tuple(s.detach() for s in expr.sources)), t.detach()):
                     return None
                 if not expr.always_check:
