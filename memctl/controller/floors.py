@@ -63,6 +63,9 @@ non-differentiable outputs (nothing else packs inside one op's autograd wrapper)
 kept exact. A record the window has let go keeps its layer's bits (the path without
 floors), never a wrong value. Floors apply to the ``quantize`` codec's records;
 ``codec="errorbound"`` keeps its bounds.
+
+The walks stop in a model where they found nothing for a while
+(NOTE [ Walks that find nothing ] in walks.py).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from memctl.controller.walks import QuietWalks
 
 __all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "FloorTracker", "Raise"]
 
@@ -224,10 +229,14 @@ class FloorTracker:
         self._attention = ATTENTION in self._floors or VALUES in self._floors
         self._recent: dict[int, _Recent] = {}
         self._order = 0
+        self.walks = QuietWalks()
+        """Whether packs walk in this forward (NOTE [ Walks that find nothing ] in walks.py)."""
 
     @property
     def active(self) -> bool:
-        return bool(self._floors)
+        """Whether packs walk for table ops and note their records: some floor is set, and
+        the walks found something lately (NOTE [ Walks that find nothing ])."""
+        return self.walks.walking and bool(self._floors)
 
     def clear(self) -> None:
         self._recent.clear()
@@ -237,10 +246,15 @@ class FloorTracker:
         node = t.grad_fn
         if node is None or not self._floors:
             return None
+        self.walks.packed()
         op = _OPS.get(type(node).__name__)
         if op is None or not op.result:
-            return self._output_floor(node)
-        return self._floors.get(op.result_kind or op.kind)
+            floor = self._output_floor(node)
+        else:
+            floor = self._floors.get(op.result_kind or op.kind)
+        if floor is not None:  # NOTE [ Walks that find nothing ]: walk again from here on
+            self.walks.found()
+        return floor
 
     def _output_floor(self, node: Any) -> int | None:
         """The floor of a tensor that is (a view of) the output of a table op with ``output``."""
@@ -312,6 +326,8 @@ class FloorTracker:
             step = 0 if name in _VIEWS else 1
             if depth + step <= _WALK_DEPTH:
                 frontier.extend((e[0], depth + step) for e in edges if e[0] is not None)
+        if found:
+            self.walks.found()
         return found
 
     def _release(self, edges: Any, keyed: dict[tuple[int, int], list[_Recent]]) -> None:

@@ -97,8 +97,9 @@ import torch
 from memctl.codecs import channels
 from memctl.codecs.base import mask_floor
 from memctl.controller import floors
-from memctl.controller.derived import DerivableOutputs
+from memctl.controller.derived import DerivableOutputs, reshaped_from
 from memctl.controller.normalized import BATCH_NORM
+from memctl.controller.walks import QuietWalks
 
 __all__ = ["HOLDING", "PENDING", "RELU", "SMOOTH", "Interval", "Partition", "RegionCode", "RegionTracker",
            "result_partition"]
@@ -425,6 +426,8 @@ class RegionTracker:
 
     def __init__(self) -> None:
         self._pending: dict[_Key, _Pending] = {}
+        self.walks = QuietWalks()
+        """How far packs walk in this forward (NOTE [ Walks that find nothing ] in walks.py)."""
         self.outputs = DerivableOutputs()
         """Matched ops whose output may be recomputed (NOTE [ Outputs recomputed from the input ])."""
 
@@ -437,6 +440,7 @@ class RegionTracker:
         node = t.grad_fn
         if node is None:
             return
+        self.walks.packed()
         key: _Key = (id(node), int(t.output_nr))
         if type(node).__name__ == "CloneBackward0":  # what an in-place op saves: a clone
             parent, nr = node.next_functions[0]
@@ -460,36 +464,47 @@ class RegionTracker:
         if not self._pending or t.grad_fn is None:
             return []
         found: list[tuple[_Pending, Partition | None]] = []
-        frontier: list[Any] = [t.grad_fn]
-        seen: set[int] = set()
-        # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
-        # (and so all of its inputs) cannot have consumed one.
-        oldest = min(p.node._sequence_nr() for p in self._pending.values())
-        for _ in range(_WALK_DEPTH + 1):
-            nxt: list[Any] = []
-            for node in frontier:
-                if id(node) in seen or len(seen) >= _WALK_NODES:
-                    continue
-                seen.add(id(node))
-                if node._sequence_nr() < oldest:
-                    continue
-                edges = node.next_functions
-                name = type(node).__name__
-                if (name in _SELF_RULES or name in SMOOTH) and edges and edges[0][0] is not None:
-                    hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))
-                    if hit is not None and hit.node is edges[0][0]:
-                        part = input_partition(node)
-                        del self._pending[(id(edges[0][0]), int(edges[0][1]))]
-                        if (part is not None or name in SMOOTH) and hit.source._version == hit.version:
-                            hit.op = node
-                            found.append((hit, part))
-                elif name not in HOLDING:
-                    self._release(edges)
-                nxt.extend(e[0] for e in edges if e[0] is not None)
-            if not nxt or not self._pending:
-                break
-            frontier = nxt
+        if not self.walks.walking:  # NOTE [ Walks that find nothing ]: the tensor's own node only
+            node = reshaped_from(t)[0]
+            if node is not None:
+                self._visit(node, found)
+        else:
+            frontier: list[Any] = [t.grad_fn]
+            seen: set[int] = set()
+            # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
+            # (and so all of its inputs) cannot have consumed one.
+            oldest = min(p.node._sequence_nr() for p in self._pending.values())
+            for _ in range(_WALK_DEPTH + 1):
+                nxt: list[Any] = []
+                for node in frontier:
+                    if id(node) in seen or len(seen) >= _WALK_NODES:
+                        continue
+                    seen.add(id(node))
+                    if node._sequence_nr() < oldest:
+                        continue
+                    nxt.extend(e[0] for e in self._visit(node, found) if e[0] is not None)
+                if not nxt or not self._pending:
+                    break
+                frontier = nxt
+        if found:
+            self.walks.found()
         return found
+
+    def _visit(self, node: Any, found: list[tuple[_Pending, Partition | None]]) -> Any:
+        """Match (into ``found``) or release the pending input ``node`` consumed; its edges."""
+        edges = node.next_functions
+        name = type(node).__name__
+        if (name in _SELF_RULES or name in SMOOTH) and edges and edges[0][0] is not None:
+            hit = self._pending.get((id(edges[0][0]), int(edges[0][1])))
+            if hit is not None and hit.node is edges[0][0]:
+                part = input_partition(node)
+                del self._pending[(id(edges[0][0]), int(edges[0][1]))]
+                if (part is not None or name in SMOOTH) and hit.source._version == hit.version:
+                    hit.op = node
+                    found.append((hit, part))
+        elif name not in HOLDING:
+            self._release(edges)
+        return edges
 
     def _release(self, edges: Any) -> None:
         """Drop the pending inputs an op outside the table consumed (NOTE [ Releasing inputs early ])."""

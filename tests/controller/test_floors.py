@@ -353,3 +353,75 @@ def test_a_slot_not_confirmed_by_a_forward_is_forgotten() -> None:
         bits = sorted(b for b in stored if b is not None)
         # the first forward still takes the slot's floor; it is not confirmed, so the second does not
         assert (4 in bits) == (forward == 0) and 2 in bits, (forward, bits)
+
+
+def _tanh_or_norm_forward(packer: Packer, x: torch.Tensor, w: torch.Tensor,
+                          norm: bool) -> list[tuple[Any, torch.Tensor]]:
+    """One forward and backward of ``linear(layer_norm(h))`` or, without a norm, ``linear(tanh(h))``."""
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    packer.begin_forward(4)
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        h = x * 2.0 + 1.0
+        y = F.linear(F.layer_norm(h, (64,)) if norm else torch.tanh(h), w)
+    y.sum().backward()
+    packer.finish_step()
+    return records
+
+
+def test_packs_stop_walking_after_forwards_with_no_floor_and_start_again_at_a_norm(monkeypatch: Any) -> None:
+    """NOTE [ Walks that find nothing ]: no walk once QUIET_FORWARDS forwards applied no floor; a
+    norm's output turns them back on in its forward, and its input is floored from the next."""
+    from memctl.controller import floors
+    from memctl.controller.walks import QUIET_FORWARDS
+
+    walks = []
+    matches = floors.FloorTracker.matches
+
+    def counting(self: floors.FloorTracker, t: torch.Tensor) -> Any:
+        walks.append(t)
+        return matches(self, t)
+
+    monkeypatch.setattr(floors.FloorTracker, "matches", counting)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    per_forward = []
+    for _ in range(QUIET_FORWARDS + 2):
+        walks.clear()
+        records = _tanh_or_norm_forward(packer, x, w, norm=False)
+        per_forward.append(len(walks))
+        assert all(_stored_bits(s) == 2 for s, t in records
+                   if isinstance(s, Saved) and t.is_floating_point() and t.numel() > 64)
+    assert all(n > 0 for n in per_forward[:QUIET_FORWARDS]) and per_forward[-1] == 0, per_forward
+
+    first = _tanh_or_norm_forward(packer, x, w, norm=True)
+    norm_output = [s.alias_of if isinstance(s, Alias) else s for s, t in first
+                   if type(t.grad_fn).__name__ in ("ViewBackward0", "NativeLayerNormBackward0")]
+    assert norm_output and all(_stored_bits(s) == 4 for s in norm_output)  # found without a walk
+    second = _tanh_or_norm_forward(packer, x, w, norm=True)
+    norm_input = [s for s, t in second if t.shape == x.shape and type(t.grad_fn).__name__ == "AddBackward0"]
+    assert [_stored_bits(s) for s in norm_input] == [4]
+
+
+def test_a_forward_that_packs_nothing_does_not_count_as_one_with_no_floor() -> None:
+    from memctl.controller.walks import QUIET_FORWARDS
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    _tanh_or_norm_forward(packer, x, w, norm=False)
+    for _ in range(3 * QUIET_FORWARDS):
+        packer.begin_forward(4)
+        with torch.no_grad():
+            F.linear(torch.tanh(x), w)
+    assert packer._floors.active
