@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer
@@ -17,3 +23,26 @@ def strict_packer(config: ControllerConfig) -> Packer:
         raise AssertionError(f"codec fallback in {layer}: {exc}")
 
     return Packer(config, tracker, lambda layer: (2.0, None), fail)
+
+
+def activation_step(
+    packer: Packer, x: torch.Tensor, w: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+    finish: bool = True,
+) -> list[tuple[Any, torch.Tensor]]:
+    """One forward and backward of ``linear(act(x * 2 + 1), w)`` through ``packer``, and the step
+    boundary if ``finish``: each record with the tensor it was packed from (the activation's
+    input has an ``AddBackward0``)."""
+    records: list[tuple[Any, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        saved = packer.pack(t)
+        records.append((saved, t))
+        return saved
+
+    packer.begin_forward(int(x.shape[0]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        y = F.linear(act(x * 2.0 + 1.0), w)
+    y.sum().backward()
+    if finish:
+        packer.finish_step()
+    return records

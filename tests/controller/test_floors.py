@@ -16,7 +16,7 @@ from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Alias, Packer, Saved
 from memctl.errors import ConfigError
-from tests.controller.packers import strict_packer
+from tests.controller.packers import activation_step, strict_packer
 
 
 def _packer(**config: Any) -> Packer:
@@ -273,21 +273,8 @@ def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
     assert by_kind["input"] == by_kind["normalised"] == by_kind["output"] == 4
 
 
-def _norm_forward(packer: Packer, x: torch.Tensor, w: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
-    """One forward of ``linear(layer_norm(x·2 + 1))`` under ``packer``; the records and tensors packed."""
-    records: list[tuple[Any, torch.Tensor]] = []
-
-    def pack(t: torch.Tensor) -> Any:
-        saved = packer.pack(t)
-        records.append((saved, t))
-        return saved
-
-    packer.begin_forward(int(x.shape[0]))
-    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
-        h = x * 2.0 + 1.0
-        y = F.linear(F.layer_norm(h, (64,)), w)
-    y.sum().backward()
-    return records
+def _layer_norm(h: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(h, (64,))
 
 
 def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monkeypatch: Any) -> None:
@@ -311,7 +298,7 @@ def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monke
     per_forward = []
     for _ in range(3):
         widths.clear()
-        records = _norm_forward(packer, x, w)
+        records = activation_step(packer, x, w, _layer_norm, finish=False)
         (rec,) = packer.finish_step().values()
         norm_input = [s for s, t in records
                       if t.shape == x.shape and type(t.grad_fn).__name__ == "AddBackward0"]
@@ -332,7 +319,7 @@ def test_a_slot_not_confirmed_by_a_forward_is_forgotten() -> None:
     w = torch.randn(64, 64, generator=g, requires_grad=True)
     packer = _packer()
     packer.set_parameters(nn.Module())
-    _norm_forward(packer, x, w)
+    activation_step(packer, x, w, _layer_norm, finish=False)
     packer.finish_step()
     records: list[tuple[Any, torch.Tensor]] = []
 
@@ -353,25 +340,6 @@ def test_a_slot_not_confirmed_by_a_forward_is_forgotten() -> None:
         bits = sorted(b for b in stored if b is not None)
         # the first forward still takes the slot's floor; it is not confirmed, so the second does not
         assert (4 in bits) == (forward == 0) and 2 in bits, (forward, bits)
-
-
-def _tanh_or_norm_forward(packer: Packer, x: torch.Tensor, w: torch.Tensor,
-                          norm: bool) -> list[tuple[Any, torch.Tensor]]:
-    """One forward and backward of ``linear(layer_norm(h))`` or, without a norm, ``linear(tanh(h))``."""
-    records: list[tuple[Any, torch.Tensor]] = []
-
-    def pack(t: torch.Tensor) -> Any:
-        saved = packer.pack(t)
-        records.append((saved, t))
-        return saved
-
-    packer.begin_forward(4)
-    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
-        h = x * 2.0 + 1.0
-        y = F.linear(F.layer_norm(h, (64,)) if norm else torch.tanh(h), w)
-    y.sum().backward()
-    packer.finish_step()
-    return records
 
 
 def test_packs_stop_walking_after_forwards_with_no_floor_and_start_again_at_a_norm(monkeypatch: Any) -> None:
@@ -396,17 +364,17 @@ def test_packs_stop_walking_after_forwards_with_no_floor_and_start_again_at_a_no
     per_forward = []
     for _ in range(QUIET_FORWARDS + 2):
         walks.clear()
-        records = _tanh_or_norm_forward(packer, x, w, norm=False)
+        records = activation_step(packer, x, w, torch.tanh)
         per_forward.append(len(walks))
         assert all(_stored_bits(s) == 2 for s, t in records
                    if isinstance(s, Saved) and t.is_floating_point() and t.numel() > 64)
     assert all(n > 0 for n in per_forward[:QUIET_FORWARDS]) and per_forward[-1] == 0, per_forward
 
-    first = _tanh_or_norm_forward(packer, x, w, norm=True)
+    first = activation_step(packer, x, w, _layer_norm)
     norm_output = [s.alias_of if isinstance(s, Alias) else s for s, t in first
                    if type(t.grad_fn).__name__ in ("ViewBackward0", "NativeLayerNormBackward0")]
     assert norm_output and all(_stored_bits(s) == 4 for s in norm_output)  # found without a walk
-    second = _tanh_or_norm_forward(packer, x, w, norm=True)
+    second = activation_step(packer, x, w, _layer_norm)
     norm_input = [s for s, t in second if t.shape == x.shape and type(t.grad_fn).__name__ == "AddBackward0"]
     assert [_stored_bits(s) for s in norm_input] == [4]
 
@@ -419,7 +387,7 @@ def test_a_forward_that_packs_nothing_does_not_count_as_one_with_no_floor() -> N
     w = torch.randn(64, 64, generator=g, requires_grad=True)
     packer = _packer()
     packer.set_parameters(nn.Module())
-    _tanh_or_norm_forward(packer, x, w, norm=False)
+    activation_step(packer, x, w, torch.tanh)
     for _ in range(3 * QUIET_FORWARDS):
         packer.begin_forward(4)
         with torch.no_grad():

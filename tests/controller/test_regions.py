@@ -519,25 +519,6 @@ def test_every_unread_value_dependent_input_is_raised_however_many_wait() -> Non
     assert all(m >= 2 * numel // 8 + 2 * numel // 8 for m in masks.values()), masks
 
 
-def _activation_forward(packer: packing.Packer, x: torch.Tensor, w: torch.Tensor,
-                        act: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[object, torch.Tensor]]:
-    """One forward and backward of ``linear(act(x * 2 + 1))`` through ``packer``."""
-    records: list[tuple[object, torch.Tensor]] = []
-
-    def pack(t: torch.Tensor) -> object:
-        saved = packer.pack(t)
-        records.append((saved, t))
-        return saved
-
-    packer.begin_forward(4)
-    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
-        h = x * 2.0 + 1.0
-        y = F.linear(act(h), w)
-    y.sum().backward()
-    packer.finish_step()
-    return records
-
-
 def _input_has_region(records: list[tuple[object, torch.Tensor]], x: torch.Tensor) -> bool:
     (saved,) = [s for s, t in records if t.shape == x.shape and type(t.grad_fn).__name__ == "AddBackward0"]
     assert isinstance(saved, packing.Saved)
@@ -550,7 +531,7 @@ def test_walks_stop_in_a_model_with_no_table_op_and_find_one_that_appears() -> N
     still found at once); one found further up waits for the next full walk, within RECHECK
     forwards, and is found in every forward from then on."""
     from memctl.controller.walks import QUIET_FORWARDS, RECHECK
-    from tests.controller.packers import strict_packer
+    from tests.controller.packers import activation_step, strict_packer
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
@@ -559,14 +540,14 @@ def test_walks_stop_in_a_model_with_no_table_op_and_find_one_that_appears() -> N
                                                     attention_value_bits=None, norm_bits=None))
     packer.set_parameters(nn.Module())
     for _ in range(QUIET_FORWARDS + 1):
-        _activation_forward(packer, x, w, torch.tanh)
+        activation_step(packer, x, w, torch.tanh)
     assert not packer._regions.walks.walking
     # the hardtanh's output saved by the linear layer: found at the tensor's own node
-    assert _input_has_region(_activation_forward(packer, x, w, F.hardtanh), x)
+    assert _input_has_region(activation_step(packer, x, w, F.hardtanh), x)
     assert packer._regions.walks.walking
     for _ in range(QUIET_FORWARDS + 1):
-        _activation_forward(packer, x, w, torch.tanh)
+        activation_step(packer, x, w, torch.tanh)
     # one node further up (an addition saves nothing): found by the next full walk
-    found = [_input_has_region(_activation_forward(packer, x, w, lambda h: F.hardtanh(h) + 1.0), x)
+    found = [_input_has_region(activation_step(packer, x, w, lambda h: F.hardtanh(h) + 1.0), x)
              for _ in range(RECHECK + 2)]
     assert True in found and all(found[found.index(True):]), found
