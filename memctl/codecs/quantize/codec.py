@@ -309,7 +309,7 @@ class QuantizeCodec:
         packed_mask = None if mask is None else _mask_bits(mask, p)
         floor = mask_floor(p.dtype)
         flat = self._run_decode(chosen, payload, meta, bits, group, n, packed_mask, floor)
-        out = flat.to(p.dtype)
+        out = flat if flat.dtype is p.dtype else flat.to(p.dtype)
         exc_index = p.buffers["exc_index"]
         if exc_index.numel():
             index = exc_index.to(out.device)
@@ -318,7 +318,8 @@ class QuantizeCodec:
                 keep = (packed_mask.to(out.device)[index >> 3].to(torch.int64) >> (index & 7)) & 1
                 values = values.clamp_min(floor).mul(keep.to(p.dtype))
             out[index] = values
-        return out.reshape(p.shape).to(p.device)
+        out = out.reshape(p.shape)
+        return out if out.device == p.device else out.to(p.device)
 
     def _run_decode(
         self, chosen: Impl, payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
