@@ -267,8 +267,14 @@ def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     if isinstance(saved, torch.Tensor):
         return 0 if saved.untyped_storage().data_ptr() in params else saved.untyped_storage().nbytes()
     data = saved.data
+    regions = sum(int(r.nbytes) for r in getattr(saved, "regions", ()))
+    if hasattr(data, "fn") and hasattr(data, "source"):
+        # a record recomputed from others (memctl's Derived): its bytes are its roots', which
+        # the pack hook may never have returned itself (a batch norm's normalised input)
+        roots = (data.source, *getattr(data, "others", ()))
+        return regions + sum(_record_bytes(r, params, seen) for r in roots)
     total = data.untyped_storage().nbytes() if isinstance(data, torch.Tensor) else int(data.nbytes)
-    return total + sum(int(r.nbytes) for r in getattr(saved, "regions", ()))
+    return total + regions
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
