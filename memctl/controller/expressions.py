@@ -105,7 +105,12 @@ _UNARY: dict[str, Function] = {
     "CosBackward0": torch.cos,
 }
 _SCALED = frozenset({"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"})
-_SUMS = frozenset({"AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1"})
+_SHIFTS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "AddBackward0": torch.add, "AddBackward1": torch.add, "SubBackward0": torch.sub,
+    "SubBackward1": torch.sub, "RsubBackward1": torch.rsub,
+}
+"""The sums and differences walked, by node: the op that applies one to a tensor and a constant."""
+_SUMS = frozenset(_SHIFTS)
 _ELEMENTWISE = frozenset({*_UNARY, *_SCALED, *_SUMS, "PowBackward0"})
 
 
@@ -268,12 +273,6 @@ _SCALAR_OPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 }
 
 
-_SHIFTS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    "AddBackward0": torch.add, "AddBackward1": torch.add, "SubBackward0": torch.sub,
-    "SubBackward1": torch.sub, "RsubBackward1": torch.rsub,
-}
-
-
 def _root(i: int) -> Rebuild:
     return lambda xs: xs[i]
 
@@ -338,13 +337,7 @@ def _constant_from(name: str, alpha: float, u: torch.Tensor, t: torch.Tensor) ->
         if c in tried or not math.isfinite(c):
             continue
         tried.add(c)
-        if name in ("AddBackward0", "AddBackward1"):
-            rebuilt = torch.add(u, c)
-        elif name in ("SubBackward0", "SubBackward1"):
-            rebuilt = torch.sub(u, c)
-        else:
-            rebuilt = torch.rsub(u, c)
-        if torch.equal(rebuilt, t):
+        if torch.equal(_SHIFTS[name](u, c), t):
             return c
     return None
 

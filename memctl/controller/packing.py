@@ -1164,8 +1164,8 @@ def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tenso
     """Each group's (min, max) over its finite values of a flat float32 tensor, (0, 0) for a
     group with none (NOTE [ Range statistics ]).
 
-    On a CPU one ``amin`` and one ``amax`` pass over the groups come first: it is the answer unless some
-    group holds a non-finite value (its min or max is then non-finite), which is rare. On a
+    On a CPU one ``amin`` and one ``amax`` pass over the groups come first: they are the answer
+    unless some group holds a non-finite value (its min or max is then non-finite), which is rare. On a
     GPU, where that check would wait for the device, and for those rare tensors, non-finite
     values are masked out first (three passes more).
     """

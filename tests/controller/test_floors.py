@@ -273,6 +273,17 @@ def test_explicit_rms_norm_input_and_output_take_the_norm_floor() -> None:
     assert by_kind["input"] == by_kind["normalised"] == by_kind["output"] == 4
 
 
+def _linear_setup(seed: int) -> tuple[Packer, torch.Tensor, torch.Tensor]:
+    """A packer at the default floors, an input (4, 16, 64) and a weight (64, 64) for
+    :func:`~tests.controller.packers.activation_step`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    return packer, x, w
+
+
 def _layer_norm(h: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(h, (64,))
 
@@ -290,11 +301,7 @@ def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monke
         return encode(self, t, **kw)
 
     monkeypatch.setattr(QuantizeCodec, "encode", counting)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
-    w = torch.randn(64, 64, generator=g, requires_grad=True)
-    packer = _packer()
-    packer.set_parameters(nn.Module())
+    packer, x, w = _linear_setup(0)
     per_forward = []
     for _ in range(3):
         widths.clear()
@@ -314,11 +321,7 @@ def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monke
 
 def test_a_slot_not_confirmed_by_a_forward_is_forgotten() -> None:
     """A forward whose tensor at a remembered slot meets no floor takes the layer's bits again next time."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
-    w = torch.randn(64, 64, generator=g, requires_grad=True)
-    packer = _packer()
-    packer.set_parameters(nn.Module())
+    packer, x, w = _linear_setup(1)
     activation_step(packer, x, w, _layer_norm, finish=False)
     packer.finish_step()
     records: list[tuple[Any, torch.Tensor]] = []
@@ -356,11 +359,7 @@ def test_packs_stop_walking_after_forwards_with_no_floor_and_start_again_at_a_no
         return matches(self, t)
 
     monkeypatch.setattr(floors.FloorTracker, "matches", counting)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
-    w = torch.randn(64, 64, generator=g, requires_grad=True)
-    packer = _packer()
-    packer.set_parameters(nn.Module())
+    packer, x, w = _linear_setup(2)
     per_forward = []
     for _ in range(QUIET_FORWARDS + 2):
         walks.clear()
@@ -382,11 +381,7 @@ def test_packs_stop_walking_after_forwards_with_no_floor_and_start_again_at_a_no
 def test_a_forward_that_packs_nothing_does_not_count_as_one_with_no_floor() -> None:
     from memctl.controller.walks import QUIET_FORWARDS
 
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
-    w = torch.randn(64, 64, generator=g, requires_grad=True)
-    packer = _packer()
-    packer.set_parameters(nn.Module())
+    packer, x, w = _linear_setup(3)
     activation_step(packer, x, w, torch.tanh)
     for _ in range(3 * QUIET_FORWARDS):
         packer.begin_forward(4)
