@@ -68,3 +68,21 @@ def test_fidelity_benchmark_audits_the_variance_model() -> None:
     assert found is not None, audit[0]
     total = int(found.group(2))
     assert total > 0 and total % 4 == 0, audit[0]  # every audited layer at each of the 4 widths
+
+
+def test_fidelity_benchmark_reseeded_plain_row() -> None:
+    """Outside ``--quick`` a second plain run with other random draws gives the noise floor:
+    the project's CNN has a dropout layer, so its training losses move, while the start
+    point (evaluated before training, with fixed draws) is plain's own."""
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--models", "cnn", "--steps", "2", "--configs", ""],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    plain, reseed = _row(lines, "cnn", "plain"), _row(lines, "cnn", "reseed")
+    assert reseed[2] != plain[2], (plain, reseed)  # the first steps' loss: other dropout masks
+    assert reseed[6] == "no" and 50.0 < float(reseed[5].rstrip("%")) < 150.0, reseed
+    assert float(plain[7]) > 0.999  # the 8-bit cosine, on the plain row
