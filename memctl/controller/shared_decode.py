@@ -12,12 +12,17 @@ read it. Plain PyTorch gives all the savers the same tensor too, and autograd ne
 an unpacked tensor in place (it wraps it in a new variable for each node), so sharing it
 changes no value.
 
-Only one decoded tensor is held at a time: a record whose readers are far apart in the
-backward (another record with readers to come is decoded in between) is decoded again for
-the later ones, so the memory held beyond plain decoding is bounded by one decoded tensor.
-In the common case the readers are neighbours in the backward (the ReLU node and the layer
-after it), and the tensor is held only from one node to the next. The record is held by a
-weak reference: a record autograd has dropped releases the tensor with it.
+The held tensors are bounded: the last one decoded, whatever its size, and at most
+:data:`OLDER` older ones while they come to at most :data:`OLDER_BYTES` together; the
+oldest goes first. A record whose readers are further apart in the backward than that is
+decoded again for the later ones, so the memory held beyond plain decoding is one decoded
+tensor plus 1 MiB. In the common case the readers are neighbours in the backward (the
+ReLU node and the layer after it), and the tensor is held only from one node to the next.
+A recurrent net's step is the other common case: a GRU's hidden state is read by its own
+step's gates and by the next step's matrix products, with a few small records decoded in
+between (2-layer GRU of ``benchmarks/training.py``: 96 of 676 decodes a step were second
+decodes of a record when one tensor was held, none with four 16 KiB ones). Each record is
+held by a weak reference: a record autograd has dropped releases its tensor with it.
 """
 
 from __future__ import annotations
@@ -27,47 +32,59 @@ from typing import Any
 
 import torch
 
-__all__ = ["SharedDecode"]
+__all__ = ["OLDER", "OLDER_BYTES", "SharedDecode"]
+
+
+#: Older decoded tensors held besides the last one, and their total size.
+OLDER = 4
+OLDER_BYTES = 1 << 20
 
 
 class SharedDecode:
-    """The last decoded tensor of a record with readers to come (NOTE [ One decode for several readers ]).
+    """Decoded tensors of records with readers to come (NOTE [ One decode for several readers ]).
 
-    The record and its tensor are one tuple, replaced whole, so that a backward running in
-    several threads (one per device) never pairs a record with another record's tensor.
+    The entries are one tuple of ``(record reference, tensor)`` pairs, newest first, replaced
+    whole, so that a backward running in several threads (one per device) never pairs a
+    record with another record's tensor.
     """
 
     __slots__ = ("_held",)
 
     def __init__(self) -> None:
-        self._held: tuple[weakref.ref[Any], torch.Tensor] | None = None
+        self._held: tuple[tuple[weakref.ref[Any], torch.Tensor], ...] = ()
 
     @property
     def held(self) -> torch.Tensor | None:
-        """The tensor held now, if any."""
+        """The tensor decoded last among those held, if any."""
         held = self._held
-        return None if held is None else held[1]
+        return held[0][1] if held else None
 
     def take(self, saved: Any) -> torch.Tensor | None:
         """Count one read of ``saved``; the tensor an earlier reader decoded, or None."""
         saved.readers -= 1
-        last = saved.readers <= 0
         held = self._held
-        if held is None or held[0]() is not saved:
-            return None
-        if last and self._held is held:
-            self._held = None
-        return held[1]
+        for i, (ref, tensor) in enumerate(held):
+            if ref() is saved:
+                if saved.readers <= 0:
+                    self._held = held[:i] + held[i + 1:]
+                return tensor
+        return None
 
     def keep(self, saved: Any, out: torch.Tensor) -> None:
         """Hold ``out``, just decoded from ``saved``, when more readers of it are to come."""
-        if saved.readers > 0:
-            self._held = (weakref.ref(saved, self._dropped), out)
+        if saved.readers <= 0:
+            return
+        older: list[tuple[weakref.ref[Any], torch.Tensor]] = []
+        total = 0
+        for entry in self._held[:OLDER]:
+            total += entry[1].numel() * entry[1].element_size()
+            if total > OLDER_BYTES:
+                break
+            older.append(entry)
+        self._held = ((weakref.ref(saved, self._dropped), out), *older)
 
     def _dropped(self, ref: weakref.ref[Any]) -> None:
-        held = self._held
-        if held is not None and held[0] is ref:
-            self._held = None
+        self._held = tuple(entry for entry in self._held if entry[0] is not ref)
 
     def clear(self) -> None:
-        self._held = None
+        self._held = ()

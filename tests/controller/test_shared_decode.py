@@ -11,7 +11,7 @@ from torch import nn
 
 from memctl.controller.config import ControllerConfig
 from memctl.controller.packing import Packer, Saved
-from memctl.controller.shared_decode import SharedDecode
+from memctl.controller.shared_decode import OLDER, OLDER_BYTES, SharedDecode
 from tests.controller.packers import strict_packer
 
 
@@ -94,3 +94,43 @@ def test_only_records_with_readers_to_come_are_held() -> None:
     assert shared.take(record) is None
     shared.keep(record, torch.ones(4))
     assert shared.held is None
+
+
+class _Record:
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
+
+
+def test_a_few_small_tensors_are_held_between_readers() -> None:
+    """A GRU's hidden state is read again after a few other records were decoded."""
+    shared = SharedDecode()
+    far = _Record(2)
+    assert shared.take(far) is None
+    kept = torch.ones(4096)
+    shared.keep(far, kept)
+    between = [_Record(2) for _ in range(OLDER)]
+    for record in between:
+        assert shared.take(record) is None
+        shared.keep(record, torch.zeros(4096))
+    assert shared.take(far) is kept  # the oldest of OLDER + 1 entries, still there
+    assert shared.take(between[0]) is not None and shared.held is not None
+    # served twice: neither is held any more, the others are
+    assert shared.take(far) is None and shared.take(between[0]) is None
+    assert shared.take(between[-1]) is not None
+
+
+def test_older_tensors_are_bounded_in_number_and_bytes() -> None:
+    shared = SharedDecode()
+    records = [_Record(2) for _ in range(OLDER + 2)]
+    for record in records:
+        shared.take(record)
+        shared.keep(record, torch.zeros(16))
+    assert shared.take(records[0]) is None  # pushed out by OLDER newer ones
+    assert shared.take(records[2]) is not None
+    big, small = _Record(2), _Record(2)
+    shared.take(big)
+    shared.keep(big, torch.zeros(OLDER_BYTES // 4 + 1))  # the newest: held whatever its size
+    assert shared.held is not None and shared.held.numel() == OLDER_BYTES // 4 + 1
+    shared.take(small)
+    shared.keep(small, torch.zeros(16))
+    assert shared.take(big) is None  # over OLDER_BYTES as an older one: released
