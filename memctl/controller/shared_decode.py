@@ -62,10 +62,11 @@ class SharedDecode:
     def take(self, saved: Any) -> torch.Tensor | None:
         """Count one read of ``saved``; the tensor an earlier reader decoded, or None."""
         saved.readers -= 1
+        last = saved.readers <= 0
         held = self._held
         for i, (ref, tensor) in enumerate(held):
             if ref() is saved:
-                if saved.readers <= 0:
+                if last:
                     self._held = held[:i] + held[i + 1:]
                 return tensor
         return None
