@@ -179,8 +179,10 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("resnet18", "image", "torchvision", lambda: import_torchvision_models().resnet18(num_classes=10)),
     Spec("mobilenet_v3", "image", "torchvision",
          lambda: import_torchvision_models().mobilenet_v3_small(num_classes=10)),
+    # at lr 2e-3 it does not train in 20 steps (plain's evaluation above chance's 2.30 on seed
+    # 1), and plain with other dropout draws lands at 204% and 231% of its own drop
     Spec("efficientnet_b0", "image", "torchvision",
-         lambda: import_torchvision_models().efficientnet_b0(num_classes=10)),
+         lambda: import_torchvision_models().efficientnet_b0(num_classes=10), lr=5e-4),
     Spec("convnext_atto", "image", "timm", lambda: _timm().create_model("convnext_atto", num_classes=10)),
     Spec("vit_tiny", "image", "timm", lambda: _timm().create_model(
         "vit_tiny_patch16_224", img_size=64, depth=6, num_classes=10), lr=1e-3),
