@@ -12,10 +12,12 @@ configuration runs in its own process, on the models of ``benchmarks/training.py
   same way, uninstrumented: the difference to ``plain`` is memctl's whole cost.
 - ``memctl-phases``: the same, with the pack hook, the unpack hook and the step boundary
   (``Controller.step``) timed one by one, and inside them the codec kernels (the launchers
-  in ``memctl/codecs/*/_kernels.py``: output allocation and the Numba call) timed apart.
+  in ``memctl/codecs/*/_kernels.py``, and ``channels.affine``: output allocation and the
+  Numba call) timed apart.
   The cost of the timers themselves (two ``thread_time`` calls each) is measured and taken off.
-  The kernels are also timed by launcher (quantize encode and decode, lossless pack and
-  unpack, errorbound), and the region code work done in Python (the comparisons that build a
+  The kernels are also timed by launcher (quantize encode, decode and decode through a
+  channel map, the channel maps of batch-norm chains, lossless pack and unpack,
+  errorbound), and the region code work done in Python (the comparisons that build a
   code, the walk that finds the op that saved an input, the projection after decoding) apart:
   the "split" line, whose "everything else" is memctl's whole cost less those.
 - ``memctl-probe``: ``Controller(model, optimizer, bits=2)`` with calibration on (the
@@ -62,7 +64,8 @@ from typing import Any
 CONFIGS = ("plain", "memctl", "memctl-phases", "memctl-probe")
 # memctl's cost by what it does (memctl-phases; outside the calibration probe): the kernel
 # launchers by codec and direction, and the region code work in Python (NOTE [ Derivative regions ]).
-SPLIT = ("quantize_encode", "quantize_decode", "lossless_pack", "lossless_unpack", "errorbound")
+SPLIT = ("quantize_encode", "quantize_decode", "quantize_decode_map", "channel_map", "lossless_pack",
+         "lossless_unpack", "errorbound")
 REGION = ("region_planes", "region_matches", "region_project")
 
 
@@ -115,6 +118,7 @@ def _timer_cost() -> float:
 
 def _instrument(controller: Any) -> dict[str, _Clock]:
     """Time the hooks, the step boundary, the probe and the kernel launchers (module docstring)."""
+    from memctl.codecs import channels as ch
     from memctl.codecs.errorbound import _kernels as eb
     from memctl.codecs.lossless import _kernels as ll
     from memctl.codecs.quantize import _kernels as qz
@@ -139,10 +143,11 @@ def _instrument(controller: Any) -> dict[str, _Clock]:
 
         return run
 
-    for module, names in ((qz, ("encode_cpu", "decode_cpu")), (ll, ("pack_cpu", "unpack_cpu")),
-                          (eb, ("run",))):
+    for module, names in ((qz, ("encode_cpu", "decode_cpu", "decode_affine_cpu")),
+                          (ll, ("pack_cpu", "unpack_cpu")), (eb, ("run",)), (ch, ("affine",))):
         for name in names:
             label = {"encode_cpu": "quantize_encode", "decode_cpu": "quantize_decode",
+                     "decode_affine_cpu": "quantize_decode_map", "affine": "channel_map",
                      "pack_cpu": "lossless_pack", "unpack_cpu": "lossless_unpack", "run": "errorbound"}[name]
             setattr(module, name, kernel(getattr(module, name), label))
 

@@ -13,6 +13,19 @@ pass, ``(x - sub[c])·scale[c] + shift[c]`` per value, and with a packed mask (t
 ``lossless`` codec's ``"bits"`` layout) also the projection; :func:`interval_bits` packs
 the mask bits of an interval test straight from the values, with no bool tensor.
 
+When the map's input is a quantised record (a chain's root, in normalised coordinates),
+the decode writes the mapped tensor itself: :meth:`QuantizeCodec.decode_affine
+<memctl.codecs.quantize.codec.QuantizeCodec.decode_affine>` maps a group's few levels
+instead of its values when the group lies in one channel (every group of a feature map
+of 256 values or more per channel), and maps value by value where a group spans two.
+The values are those of :func:`affine` on the decoded tensor, bit for bit (the same
+float32 operations in the same order; a value off the mask is ``y·0``, which is the +0.0
+the decode's bit masking writes whenever ``y >= floor`` is finite, and the value-by-value
+path otherwise). A record with a non-finite value (the codec puts those back after its
+kernel) is decoded and mapped apart. On 2.4M values at 2 bits, one thread: decode 0.84
+ms, then the map 0.41 ms (masked 1.17 ms), against 1.17 ms (masked 1.34 ms) for the two
+in one pass. The project's CNN (``benchmarks/training.py``) reads ten such records a step.
+
 Both return None where they do not apply (not a contiguous float32 CPU tensor, a
 channel dimension that does not match, an interval with no finite bound), and the caller
 runs its PyTorch ops: the results are the same values, rounded as ``x - sub``, then

@@ -122,12 +122,32 @@ class Chain:
             fast = channels.affine(v, flat[0], flat[1], zero)  # NOTE [ Fused channel passes ]
             return fast if fast is not None else (v.to(mean.dtype) - mean).mul_(invstd)
 
-        def source(n: torch.Tensor) -> torch.Tensor:
-            fast = channels.affine(n, zero, std, flat[0]) if z_dtype == torch.float32 else None
-            return fast if fast is not None else torch.addcdiv(mean, n.to(mean.dtype), invstd).to(z_dtype)
-
+        source = _Source(mean, invstd, flat[0], std, zero, z_dtype)
         output = _Output(flat[3], flat[2], zero, t_dtype, op)
         return normalise, source, output
+
+
+class _Source:
+    """``z`` from ``n``: ``n/invstd + mean`` (NOTE [ Batch-norm outputs ... ])."""
+
+    def __init__(self, mean: torch.Tensor, invstd: torch.Tensor, flat_mean: torch.Tensor, std: torch.Tensor,
+                 zero: torch.Tensor, dtype: torch.dtype) -> None:
+        self._mean, self._invstd, self._flat_mean, self._std = mean, invstd, flat_mean, std
+        self._zero, self._dtype = zero, dtype
+
+    def __call__(self, n: torch.Tensor) -> torch.Tensor:
+        if self._dtype == torch.float32:
+            fast = channels.affine(n, self._zero, self._std, self._flat_mean)
+            if fast is not None:
+                return fast
+        return torch.addcdiv(self._mean, n.to(self._mean.dtype), self._invstd).to(self._dtype)
+
+    def channel_map(self, masked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(sub, scale, shift)`` of :func:`channels.affine` that :meth:`__call__` applies, where a
+        decode can apply it itself (NOTE [ Fused channel passes ]); None otherwise."""
+        if masked or self._dtype != torch.float32:
+            return None
+        return self._zero, self._std, self._flat_mean
 
 
 class _Output:
@@ -150,6 +170,14 @@ class _Output:
         x = torch.addcmul(self._beta.view(shape), n.to(self._beta.dtype), self._gamma.view(shape))
         x = x.to(self._dtype)
         return x if self._op is None else self._op(x)
+
+    def channel_map(self, masked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(sub, scale, shift)`` of :func:`channels.affine` that :meth:`__call__` (or, ``masked``,
+        :meth:`masked`) applies, where a decode can apply it itself (NOTE [ Fused channel
+        passes ]); None otherwise."""
+        if self._dtype != torch.float32 or (self._op is not None and not masked):
+            return None
+        return self._zero, self._gamma, self._beta
 
     def masked(self, n: torch.Tensor, mask: torch.Tensor, floor: float) -> torch.Tensor | None:
         """ReLU's region projection of ``self(n)`` under the packed ``mask``; None where the fused

@@ -579,16 +579,19 @@ class Packer:
             return shared
         start = time.perf_counter()
         fused = None
-        if isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
+        if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data)) is not None:
+            fused, out = mapped  # NOTE [ Fused channel passes ]: decode and channel map in one pass
+        elif isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
             source = self.unpack(data.source)
             masked = getattr(data.fn, "masked", None)  # NOTE [ Fused channel passes ]
             fused = _relu_code(saved) if saved.regions and masked is not None else None
-            out = None
+            got = None
             if fused is not None and masked is not None:
-                out = masked(source, fused.planes[0].buffers["payload"], mask_floor(saved.dtype))
-            if out is None:
+                got = masked(source, fused.planes[0].buffers["payload"], mask_floor(saved.dtype))
+            if got is None:
                 others = [self.unpack(o) for o in data.others]  # NOTE [ Elementwise expressions ]
-                fused, out = None, data.fn(source, *others)
+                fused, got = None, data.fn(source, *others)
+            out = got
         else:
             codec: Any = self._codec(data.codec)
             # NOTE [ ReLU masks ]
@@ -614,6 +617,37 @@ class Packer:
         self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
         return out
+
+    def _decode_mapped(self, saved: Saved, data: Derived) -> tuple[RegionCode | None, torch.Tensor] | None:
+        """A batch-norm chain's record decoded straight from its root through its channel map
+        (NOTE [ Fused channel passes ] in memctl/codecs/channels.py), with the ReLU code it
+        applied; None where that does not apply (then the root is decoded, or its held tensor
+        taken, and the map applied after)."""
+        get_map = getattr(data.fn, "channel_map", None)
+        root = data.source
+        if get_map is None or data.others or not isinstance(root, Saved) or root.regions:
+            return None
+        packed = root.data
+        if not isinstance(packed, Packed) or packed.codec != "quantize" or self._shared.holds(root):
+            return None
+        codec: Any = self._codec("quantize")
+        decode_affine = getattr(codec, "decode_affine", None)
+        code = _relu_code(saved) if saved.regions else None
+        spec = get_map(code is not None)
+        if decode_affine is None or spec is None:
+            return None
+        mask = None if code is None else code.planes[0].buffers["payload"]
+        out = decode_affine(packed, *spec, mask_bits=mask)
+        if out is None:
+            return None
+        # what unpack does for the root it no longer decodes
+        if root.owner is not None:
+            root.owner.used = True
+        source = root.source() if root.source is not None else None
+        if source is not None and source._version != root.version:
+            check_version(source, root.version)
+        self._shared.take(root)
+        return code, out
 
     # -- internals -------------------------------------------------------------------
     def _pack_new(self, t: torch.Tensor, layer: str) -> Saved:

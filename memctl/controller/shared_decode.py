@@ -59,6 +59,10 @@ class SharedDecode:
         held = self._held
         return held[0][1] if held else None
 
+    def holds(self, saved: Any) -> bool:
+        """Whether a decoded tensor of ``saved`` is held (nothing counted)."""
+        return any(ref() is saved for ref, _ in self._held)
+
     def take(self, saved: Any) -> torch.Tensor | None:
         """Count one read of ``saved``; the tensor an earlier reader decoded, or None."""
         saved.readers -= 1

@@ -100,3 +100,48 @@ def test_not_applicable_returns_none() -> None:
     two_bit = Partition("t", (Interval(-_INF, 0.0, False, True, 0), Interval(0.0, 1.0, False, True, 2),
                               Interval(1.0, _INF, False, False, 1)))
     assert two_bit.packed_plane(x) is None
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# groups of 256 inside one channel block (16x16, 48x48), straddling blocks (7x3, 2x2), a
+# partial last group, and the parallel launch (>= 65,536 values)
+@pytest.mark.parametrize("shape", [(4, 8, 16, 16), (3, 5, 7, 3), (2, 64, 2, 2), (5, 3, 11), (8, 16, 48, 48)])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_decode_through_a_channel_map_is_the_decode_then_the_map(shape: tuple[int, ...], bits: int) -> None:
+    """QuantizeCodec.decode_affine writes, bit for bit, channels.affine of the decoded tensor."""
+    g = torch.Generator().manual_seed(bits)
+    c = shape[1]
+    scales = torch.rand(c, generator=g) * 5
+    x = torch.randn(shape, generator=g) * scales.view(1, -1, *([1] * (len(shape) - 2)))
+    q = codecs.get("quantize")
+    p = q.encode(x, bits=bits, seed=7)
+    sub, shift = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    scale = torch.rand(c, generator=g) + 0.5
+    decoded = q.decode(p)
+    got = q.decode_affine(p, sub, scale, shift)
+    expected = channels.affine(decoded, sub, scale, shift)
+    assert got is not None and expected is not None and _bitwise(got, expected)
+    mask = codecs.get("lossless").encode(x > 0).buffers["payload"]
+    got = q.decode_affine(p, sub, scale, shift, mask_bits=mask)
+    expected = channels.affine(decoded, sub, scale, shift, mask=mask, floor=mask_floor(torch.float32))
+    assert got is not None and expected is not None and _bitwise(got, expected)
+    assert bool((got[x <= 0] == 0).all()) and bool((got[x > 0] > 0).all())
+
+
+def test_decode_through_a_channel_map_declines_what_it_cannot_write() -> None:
+    q = codecs.get("quantize")
+    x = torch.randn(2, 4, 8, 8)
+    ones = torch.ones(4)
+    with_nan = x.clone()
+    with_nan[0, 0, 0, 0] = float("nan")  # kept as an exception, put back after the kernel
+    assert q.decode_affine(q.encode(with_nan, bits=2), ones, ones, ones) is None
+    assert q.decode_affine(q.encode(x.half(), bits=2), ones, ones, ones) is None
+    assert q.decode_affine(q.encode(x, bits=2), torch.ones(3), ones, ones) is None
+    assert q.decode_affine(q.encode(x, bits=2), ones, ones.double(), ones) is None
+    one = torch.ones(1)
+    assert q.decode_affine(q.encode(x.reshape(-1), bits=2), one, one, one) is None  # no channel dimension
+    wrong_mask = torch.zeros(3, dtype=torch.uint8)
+    assert q.decode_affine(q.encode(x, bits=2), ones, ones, ones, mask_bits=wrong_mask) is None

@@ -380,3 +380,27 @@ def test_a_derived_record_of_a_new_size_is_measured_at_once() -> None:
     sizes = {term.numel for v in ctl._packer._derived_ranges.values() for term in v}
     ctl.detach()
     assert sizes and all(n == 4 * 16 * 8 * 8 for n in sizes)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, lambda: nn.ReLU(inplace=True), nn.Hardswish, nn.SiLU])
+def test_chain_records_decoded_through_their_channel_map_give_the_same_gradients(
+        act: Callable[[], nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Fused channel passes ]: the batch norm's input and output records are written by one
+    decode through their channel maps, the same gradients bit for bit as decoding the root and
+    then mapping it."""
+    from memctl.codecs.quantize.codec import QuantizeCodec
+
+    calls: list[bool] = []
+    fused_decode = QuantizeCodec.decode_affine
+
+    def counted(self: QuantizeCodec, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        out = fused_decode(self, *args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(QuantizeCodec, "decode_affine", counted)
+    fused, fused_bytes = _run(_model(act), 2)
+    assert calls and all(calls)  # the root is never decoded by itself, then mapped
+    monkeypatch.setattr(QuantizeCodec, "decode_affine", lambda self, *args, **kwargs: None)
+    apart, apart_bytes = _run(_model(act), 2)
+    assert torch.equal(fused, apart) and fused_bytes == apart_bytes

@@ -20,7 +20,7 @@ from numba import prange
 from memctl.codecs import _rng
 from memctl.codecs._numba import cached_jit
 
-__all__ = ["decode", "decode_serial", "encode", "encode_serial"]
+__all__ = ["decode", "decode_affine", "decode_affine_serial", "decode_serial", "encode", "encode_serial"]
 
 _lowbias32 = numba.njit(inline="always")(_rng.lowbias32_numba)
 
@@ -149,6 +149,80 @@ def _encode_groups(
     return nbad
 
 
+@numba.njit(inline="always")
+def _levels(meta: Any, g: Any, big: Any, lv: Any) -> None:
+    """The ``big + 1`` float32 values group ``g``'s codes stand for, each within its range."""
+    mn = meta[g, 0]
+    mx = meta[g, 1]
+    mn64 = np.float64(mn)
+    rng = np.float64(mx) - mn64
+    for q in range(big + 1):
+        y = np.float32(mn64 + (np.float64(q) * rng) / np.float64(big))
+        y = mn if y < mn else y
+        lv[q] = mx if y > mx else y
+
+
+@numba.njit(inline="always")
+def _code(ps: Any, j: Any, bits: Any, big: Any) -> Any:
+    """Code ``j`` of a group's packed bytes ``ps`` (little-endian within a byte)."""
+    return (ps[(j * bits) >> 3] >> ((j * bits) & 7)) & big
+
+
+@cached_jit(fastmath=False)
+def _decode_affine_groups(
+    payload: Any, meta: Any, g0: Any, g1: Any, group: Any, bits: Any, out: Any, sub: Any, scale: Any,
+    shift: Any, inner: Any, mask: Any, masked: Any, floor: Any,
+) -> None:
+    """Decode groups ``g0 .. g1 - 1`` into ``out`` through the channel map of NOTE [ Fused
+    channel passes ] (``memctl.codecs.channels``): each value ``(v - sub[c])·scale[c] +
+    shift[c]`` for its channel ``c`` (blocks of ``inner`` values, block ``k`` is channel
+    ``k % C``), then with ``masked`` ``max(·, floor)`` times its mask bit, the same float32
+    operations in the same order as ``channels.affine`` applied to the decoded tensor. A
+    group inside one block maps its levels instead of its values."""
+    n = out.size
+    channels = sub.size
+    big = (1 << bits) - 1
+    gbytes = group * bits // 8
+    lv = np.empty(big + 1, np.float32)
+    outi = out.view(np.int32)
+    block = g0 * group // inner  # the block (and channel) of the group's first value, kept up to date
+    c = block % channels
+    block_end = (block + 1) * inner
+    for g in range(g0, g1):
+        _levels(meta, g, big, lv)
+        s = g * group
+        e = min(s + group, n)
+        ps = payload[g * gbytes : (g + 1) * gbytes]
+        while s >= block_end:
+            block_end += inner
+            c = c + 1 if c + 1 < channels else 0
+        finite = True
+        if e <= block_end:
+            for q in range(big + 1):
+                y = (lv[q] - sub[c]) * scale[c] + shift[c]
+                if masked:
+                    y = floor if y < floor else y
+                finite = finite and abs(y) <= np.float32(3.4028234663852886e38)
+                lv[q] = y
+            # off the mask: y·0, which is +0.0 (what the bits AND 0 give) when y >= floor is finite
+            if finite:
+                _write_group(ps, lv, out, outi, s, e, group, bits, big, mask, masked)
+            else:
+                for j in range(e - s):
+                    y = lv[_code(ps, j, bits, big)]
+                    if masked:
+                        y = y * np.float32((mask[(s + j) >> 3] >> ((s + j) & 7)) & 1)
+                    out[s + j] = y
+        else:
+            for j in range(e - s):
+                cj = ((s + j) // inner) % channels
+                y = (lv[_code(ps, j, bits, big)] - sub[cj]) * scale[cj] + shift[cj]
+                if masked:
+                    y = floor if y < floor else y
+                    y = y * np.float32((mask[(s + j) >> 3] >> ((s + j) & 7)) & 1)
+                out[s + j] = y
+
+
 @cached_jit(fastmath=False)
 def _decode_groups(
     payload: Any, meta: Any, g0: Any, g1: Any, group: Any, bits: Any, out: Any,
@@ -165,57 +239,57 @@ def _decode_groups(
     lv = np.empty(big + 1, np.float32)
     outi = out.view(np.int32)
     for g in range(g0, g1):
-        mn = meta[g, 0]
-        mx = meta[g, 1]
-        mn64 = np.float64(mn)
-        rng = np.float64(mx) - mn64
-        for q in range(big + 1):
-            y = np.float32(mn64 + (np.float64(q) * rng) / np.float64(big))
-            y = mn if y < mn else y
-            y = mx if y > mx else y
-            if masked:  # the floor applied to the levels is the floor applied to the values
-                y = floor if y < floor else y
-            lv[q] = y
+        _levels(meta, g, big, lv)
+        if masked:  # the floor applied to the levels is the floor applied to the values
+            for q in range(big + 1):
+                lv[q] = floor if lv[q] < floor else lv[q]
         s = g * group
-        e = min(s + group, n)
-        m = e - s
-        ps = payload[g * gbytes : (g + 1) * gbytes]
-        os = out[s:e]
-        if m == group and bits == 2:
-            for k in range(gbytes):
-                b = ps[k]
-                os[4 * k] = lv[b & 3]
-                os[4 * k + 1] = lv[(b >> 2) & 3]
-                os[4 * k + 2] = lv[(b >> 4) & 3]
-                os[4 * k + 3] = lv[b >> 6]
-        elif m == group and bits == 1:
-            for k in range(gbytes):
-                b = ps[k]
-                for j in range(8):
-                    os[8 * k + j] = lv[(b >> j) & 1]
-        elif m == group and bits == 4:
-            for k in range(gbytes):
-                b = ps[k]
-                os[2 * k] = lv[b & 15]
-                os[2 * k + 1] = lv[b >> 4]
-        elif bits == 8:
-            for j in range(m):
-                os[j] = lv[ps[j]]
-        else:
-            for j in range(m):
-                os[j] = lv[(ps[(j * bits) >> 3] >> ((j * bits) & 7)) & big]
-        if masked:  # groups start on a multiple of 8 values, so on a mask byte
-            # The levels are raised to the floor above; a value off the mask becomes its bits
-            # AND 0 (+0.0): integer operations and no branch on the mask bits (a ReLU mask is
-            # as unpredictable as a coin), so the loop vectorises. A branch here cost 8 ns a value.
-            ms = mask[s >> 3 : (e + 7) >> 3]
-            oi = outi[s:e]
-            for k in range(m >> 3):
-                mb = np.int32(ms[k])
-                for j in range(8):
-                    oi[8 * k + j] &= -((mb >> j) & 1)
-            for j in range(m & ~7, m):
-                oi[j] &= -((np.int32(ms[j >> 3]) >> (j & 7)) & 1)
+        _write_group(payload[g * gbytes : (g + 1) * gbytes], lv, out, outi, s, min(s + group, n), group, bits,
+                     big, mask, masked)
+
+
+@numba.njit(inline="always")
+def _write_group(ps: Any, lv: Any, out: Any, outi: Any, s: Any, e: Any, group: Any, bits: Any, big: Any,
+                 mask: Any, masked: Any) -> None:
+    """Values ``s .. e - 1`` of ``out``: level ``lv[code]`` of each code in the group's packed bytes
+    ``ps``; with ``masked``, a value whose mask bit is 0 becomes +0.0 (its bits AND 0)."""
+    m = e - s
+    os = out[s:e]
+    if m == group and bits == 2:
+        for k in range(ps.size):
+            b = ps[k]
+            os[4 * k] = lv[b & 3]
+            os[4 * k + 1] = lv[(b >> 2) & 3]
+            os[4 * k + 2] = lv[(b >> 4) & 3]
+            os[4 * k + 3] = lv[b >> 6]
+    elif m == group and bits == 1:
+        for k in range(ps.size):
+            b = ps[k]
+            for j in range(8):
+                os[8 * k + j] = lv[(b >> j) & 1]
+    elif m == group and bits == 4:
+        for k in range(ps.size):
+            b = ps[k]
+            os[2 * k] = lv[b & 15]
+            os[2 * k + 1] = lv[b >> 4]
+    elif bits == 8:
+        for j in range(m):
+            os[j] = lv[ps[j]]
+    else:
+        for j in range(m):
+            os[j] = lv[_code(ps, j, bits, big)]
+    if masked:  # groups start on a multiple of 8 values, so on a mask byte
+        # The levels are raised to the floor above; a value off the mask becomes its bits
+        # AND 0 (+0.0): integer operations and no branch on the mask bits (a ReLU mask is
+        # as unpredictable as a coin), so the loop vectorises. A branch here cost 8 ns a value.
+        ms = mask[s >> 3 : (e + 7) >> 3]
+        oi = outi[s:e]
+        for k in range(m >> 3):
+            mb = np.int32(ms[k])
+            for j in range(8):
+                oi[8 * k + j] &= -((mb >> j) & 1)
+        for j in range(m & ~7, m):
+            oi[j] &= -((np.int32(ms[j >> 3]) >> (j & 7)) & 1)
 
 
 @cached_jit(parallel=True, fastmath=False)
@@ -262,3 +336,29 @@ def decode_serial(
 ) -> None:
     """Serial decode: every group in one call."""
     _decode_groups(payload, meta, 0, meta.shape[0], group, bits, out, mask, masked, floor)
+
+
+@cached_jit(parallel=True, fastmath=False)
+def decode_affine(
+    payload: Any, meta: Any, group: Any, bits: Any, out: Any, sub: Any, scale: Any, shift: Any, inner: Any,
+    mask: Any, masked: Any, floor: Any,
+) -> None:
+    """Parallel decode through a channel map: up to 256 chunks of whole groups."""
+    ngroups = meta.shape[0]
+    nchunks = min(ngroups, 256)
+    for c in prange(nchunks):
+        _decode_affine_groups(
+            payload, meta, c * ngroups // nchunks, (c + 1) * ngroups // nchunks, group, bits, out,
+            sub, scale, shift, inner, mask, masked, floor,
+        )
+
+
+@cached_jit(fastmath=False)
+def decode_affine_serial(
+    payload: Any, meta: Any, group: Any, bits: Any, out: Any, sub: Any, scale: Any, shift: Any, inner: Any,
+    mask: Any, masked: Any, floor: Any,
+) -> None:
+    """Serial decode through a channel map: every group in one call."""
+    _decode_affine_groups(
+        payload, meta, 0, meta.shape[0], group, bits, out, sub, scale, shift, inner, mask, masked, floor,
+    )

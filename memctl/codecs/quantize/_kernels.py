@@ -94,6 +94,7 @@ __all__ = [
     "SERIAL_BELOW",
     "cpu_kernels",
     "cuda_kernels",
+    "decode_affine_cpu",
     "decode_cpu",
     "decode_cuda",
     "encode_cpu",
@@ -122,9 +123,11 @@ def cpu_kernels() -> ModuleType:
     meta = nt.float32[:, ::1]
     enc = [(f32, i64, i64, i64, meta, u8, nt.int64[::1], u8, nt.boolean)]
     dec = [(u8, meta, i64, i64, f32, u8, nt.boolean, nt.float32)]
+    aff = [(u8, meta, i64, i64, f32, f32, f32, f32, i64, u8, nt.boolean, nt.float32)]
     _numba.prepare(
         "quantize",
-        [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec)],
+        [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec),
+         (_cpu.decode_affine, aff), (_cpu.decode_affine_serial, aff)],
     )
     return _cpu
 
@@ -184,6 +187,29 @@ def decode_cpu(
             from memctl.codecs import _numba
 
             _numba.launch(k.decode, k.decode_serial, *args)
+    return out
+
+
+def decode_affine_cpu(
+    payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int, sub: torch.Tensor,
+    scale: torch.Tensor, shift: torch.Tensor, inner: int, mask: torch.Tensor | None = None,
+    floor: float = 0.0,
+) -> torch.Tensor:
+    """:func:`decode_cpu` through a per-channel map (contiguous float32 CPU vectors of the
+    channels; blocks of ``inner`` values, block ``k`` is channel ``k % C``): the values
+    ``memctl.codecs.channels.affine`` gives on the decoded tensor, in one pass."""
+    out = torch.empty(n, dtype=torch.float32)
+    if n:
+        k = cpu_kernels()
+        bits_arr = _NO_MASK if mask is None else mask.numpy()
+        args = (payload.numpy(), meta.numpy(), group, bits, out.numpy(), sub.numpy(), scale.numpy(),
+                shift.numpy(), inner, bits_arr, mask is not None, np.float32(floor))
+        if n < SERIAL_BELOW:
+            k.decode_affine_serial(*args)
+        else:
+            from memctl.codecs import _numba
+
+            _numba.launch(k.decode_affine, k.decode_affine_serial, *args)
     return out
 
 

@@ -321,6 +321,37 @@ class QuantizeCodec:
         out = out.reshape(p.shape)
         return out if out.device == p.device else out.to(p.device)
 
+    def decode_affine(
+        self, p: Packed, sub: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
+        mask_bits: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``channels.affine(decode(p), sub, scale, shift, mask=mask_bits)`` written in one pass
+        by the CPU kernel (NOTE [ Fused channel passes ] in ``memctl.codecs.channels``), the same
+        values; None where that kernel does not apply (not a float32 CPU record of at least 2
+        dimensions, a non-finite value in it, vectors that do not match dimension 1, a mask of
+        another size), and the caller decodes and maps the tensor itself."""
+        bits, group = _record_params(p)
+        if p.dtype is not torch.float32 or len(p.shape) < 2 or p.numel == 0 or p.buffers["exc_index"].numel():
+            return None
+        if _backend.resolve_impl(None, p.device) is not Impl.CPU:
+            return None
+        channels = int(p.shape[1])
+        vectors = [v.reshape(-1) for v in (sub, scale, shift)]
+        if any(v.device.type != "cpu" or v.dtype is not torch.float32 or v.numel() != channels
+               or not v.is_contiguous() for v in vectors):
+            return None
+        n = p.numel
+        if mask_bits is not None and (mask_bits.device.type != "cpu" or mask_bits.dtype is not torch.uint8
+                                      or mask_bits.numel() != -(-n // 8) or not mask_bits.is_contiguous()):
+            return None
+        inner = n // (int(p.shape[0]) * channels)
+        sub, scale, shift = vectors
+        flat = _quantize_kernels.decode_affine_cpu(
+            p.buffers["payload"], p.buffers["meta"], bits, group, n, sub, scale, shift, inner, mask_bits,
+            mask_floor(torch.float32),
+        )
+        return flat.reshape(p.shape)
+
     def _run_decode(
         self, chosen: Impl, payload: torch.Tensor, meta: torch.Tensor, bits: int, group: int, n: int,
         mask: torch.Tensor | None = None, floor: float = 0.0,
