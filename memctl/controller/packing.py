@@ -117,6 +117,7 @@ import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
+from memctl.controller.batches import Batch, Batches, BatchRecord, Member
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
 from memctl.controller.expressions import Expression, build, is_elementwise
@@ -197,13 +198,25 @@ class Saved:
         self.dtype = like.dtype
         self.device = like.device
         # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
-        self.source: weakref.ref[torch.Tensor] | None = None
+        self.source: Callable[[], torch.Tensor | None] | None = None
         self.version = 0
         self.owner: MicroBatch | None = None
         self.readers = 1
         """Pack hook calls that returned this record (NOTE [ One decode for several readers ])."""
         self.slot: _Slot | None = None
         """Where it was packed, for NOTE [ Floors known from the last forward ]."""
+
+
+class _Held:
+    """A strong reference called like a weak one (``Saved.source`` of a record kept as it is now)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
 
 
 class Alias:
@@ -266,6 +279,8 @@ class Packer:
         self.fsdp = FsdpParameters()
         self.timings = Timings()
         self._shared = SharedDecode()
+        self._batches = Batches(config.group_size)  # NOTE [ Batched small records ] in batches.py
+        self._batching = config.codec_impl is None
         # NOTE [ Elementwise expressions ] in expressions.py: this forward's records by the autograd
         # output they were packed from (the node held, so that its id is not reused meanwhile), and
         # the bits granted to each root so far
@@ -285,6 +300,10 @@ class Packer:
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._peeking = False
         """A node's fields are being read in the forward: :meth:`unpack` returns exact records only."""
+        self._no_exceptions: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decoded: tuple[tuple[Batch, torch.Tensor], ...] = ()
+        """The two batches decoded last, whole, with their values, newest first (NOTE [ Batched
+        small records ])."""
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -316,7 +335,10 @@ class Packer:
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
+        if self._batches:
+            self._encode_batches()
         self._shared.clear()
+        self._decoded = ()
         self._forget_producers()
         if self._held_log_probs:
             self._flush_log_probs()
@@ -340,8 +362,11 @@ class Packer:
 
     def finish_step(self) -> dict[str, LayerStep]:
         """The step's per-layer records at its peak micro-batch; resets them and the tables."""
+        if self._batches:
+            self._encode_batches()
         self._fold_ranges()
         self._shared.clear()
+        self._decoded = ()
         peak = peak_basis([*self._done, self._micro])
         self._done = []
         self._micro = MicroBatch()
@@ -421,6 +446,8 @@ class Packer:
 
     def end_forward(self) -> None:
         """The model's forward ended: no pending input can be matched any more."""
+        if self._batches:
+            self._encode_batches()
         if self._held_log_probs:
             self._flush_log_probs()
         for saved, source in self._regions.outputs.leftover():
@@ -564,6 +591,8 @@ class Packer:
             return self.unpack(saved.alias_of).reshape(saved.shape)
         if isinstance(saved, SavedRef):
             return saved.unpack()
+        if self._batches:  # NOTE [ Batched small records ]: the bytes of pending records are written first
+            self._encode_batches()
         if saved.owner is not None:
             saved.owner.used = True
         source = saved.source() if saved.source is not None else None
@@ -596,7 +625,10 @@ class Packer:
             codec: Any = self._codec(data.codec)
             # NOTE [ ReLU masks ]
             fused = _relu_code(saved) if saved.regions and decodes_mask(codec) else None
-            out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
+            if fused is None and type(data) is BatchRecord and not data.buffers["exc_index"].numel():
+                out = self._from_batch(data, codec)  # NOTE [ Batched small records ]
+            else:
+                out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
             raise CodecError(
                 f"codec {data.codec!r} decoded a {tuple(out.shape)} {out.dtype} tensor on {out.device} "
@@ -617,6 +649,21 @@ class Packer:
         self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
         return out
+
+    def _from_batch(self, data: BatchRecord, codec: Any) -> torch.Tensor:
+        """``data``'s values, sliced from its batch decoded whole (the last batch decoded is held)."""
+        batch = data.batch
+        assert batch is not None
+        held = self._decoded
+        if held and held[0][0] is batch:
+            values = held[0][1]
+        elif len(held) > 1 and held[1][0] is batch:
+            values = held[1][1]
+        else:
+            values = codec.decode(batch.whole(self._empty_exceptions()))
+            self._decoded = ((batch, values), *held[:1])
+        out = values[data.start:data.start + data.numel].view(data.shape)
+        return out if out.dtype is data.dtype else out.to(data.dtype)
 
     def _decode_mapped(self, saved: Saved, data: Derived) -> tuple[RegionCode | None, torch.Tensor] | None:
         """A batch-norm chain's record decoded straight from its root through its channel map
@@ -720,6 +767,9 @@ class Packer:
             return saved
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        if (part is None and self._batching and self._batches.accepts(t, numel)
+                and (config.codec is not CodecMode.ERRORBOUND or error_bound is None)):
+            return self._batched(t, int(bits), seed, layer, rec, slot)  # NOTE [ Batched small records ]
         try:
             p, region = self._compress(t, bits, error_bound, seed, part)
         except Exception as exc:  # see NOTE [ Codec fallback ]
@@ -737,6 +787,88 @@ class Packer:
         saved = Saved(p, t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
+
+    def _batched(self, t: torch.Tensor, bits: int, seed: int, layer: str, rec: LayerStep,
+                 slot: _Slot) -> Saved:
+        """``t``'s record in a batch of small records, its bytes written later (NOTE [ Batched
+        small records ])."""
+        full = self._batches.full(bits, t.dtype, t.numel())
+        if full is not None:
+            self._encode_batches(full)
+        p = self._batches.add(t, bits, seed, rec, layer, self._empty_exceptions())
+        rec.bit_values += bits * t.numel()
+        rec.packed_bytes += _nbytes(p)
+        saved = Saved(p, t, layer=layer)
+        saved.slot = slot
+        self._batches.own(saved)
+        return saved
+
+    def _empty_exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared empty exception buffers of CPU quantize records."""
+        empty = self._no_exceptions
+        if empty is None:
+            codec: Any = self._codec("quantize")
+            empty = self._no_exceptions = codec.exceptions(torch.zeros(1))
+        return empty
+
+    def _encode_batches(self, batch: Batch | None = None) -> None:
+        """Write the bytes of ``batch``'s records, or of every pending batch's (NOTE [ Batched
+        small records ])."""
+        codec: Any = self._codec("quantize")
+        for b in self._batches.take(batch):
+            start = time.perf_counter()
+            members = b.members
+            ngroups = b.values // b.group
+            try:
+                with torch.no_grad():
+                    flats = [m.source.reshape(-1) for m in members]
+                    flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+                    nonfinite = codec.encode_into(flat, b.payload[:ngroups * b.group * b.bits // 8],
+                                                  b.meta[:ngroups], bits=b.bits, seed=int(b.params["seed"]))
+            except Exception as exc:  # see NOTE [ Codec fallback ]: every member kept exact
+                self._on_fallback(members[0].layer, exc)
+                for m in members:
+                    self._unbatch(m)
+                continue
+            b.shrink()
+            for m in members:
+                saved = m.saved
+                if saved is None or saved.data is not m.packed:
+                    continue  # stored again meanwhile (a floor, a raised root)
+                if m.source._version != m.version:
+                    # changed in place after it was saved: kept as it is now, and unpack raises
+                    # autograd's error (NOTE [ In-place checks ]) however long the tensor lives
+                    held = m.source.detach()
+                    saved.data, saved.source = held, _Held(held)
+                    continue
+                try:
+                    if nonfinite:
+                        index, value = codec.exceptions(m.source)
+                        if index.numel():
+                            buffers: Any = m.packed.buffers
+                            buffers["exc_index"], buffers["exc_value"] = index, value
+                            m.rec.packed_bytes += index.nbytes + value.nbytes
+                    self._range_stats(m.source, m.packed, m.rec)
+                except Exception as exc:  # see NOTE [ Codec fallback ]: this member kept exact
+                    self._on_fallback(m.layer, exc)
+                    self._unbatch(m)
+            b.members = []  # the tensors go: the records hold the batch
+            self.timings.observe_encode(time.perf_counter() - start)
+
+    def _unbatch(self, m: Member) -> None:
+        """A member whose batch could not be encoded, kept as an exact copy."""
+        saved = m.saved
+        if saved is None or saved.data is not m.packed:
+            return
+        numel = m.packed.numel
+        raw = numel * m.source.element_size()
+        saved.data = m.source.detach().clone()
+        rec = m.rec
+        rec.packed_bytes += raw - m.packed.nbytes
+        rec.fixed_bytes += raw
+        if numel in rec.numels:
+            rec.numels.remove(numel)
+            rec.bit_values = max(0.0, rec.bit_values - int(m.packed.params["bits"]) * numel)
 
     def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
         """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""

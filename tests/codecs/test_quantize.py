@@ -372,3 +372,35 @@ def test_hash_is_the_same_function_everywhere() -> None:
             assert h == _rng.lowbias32_int((i & _rng.MASK32) ^ key)
             assert h == int(_rng.lowbias32_numba(np.uint64((i & _rng.MASK32) ^ key)))
     assert _rng.lowbias32_int(0) == 0 and _rng.lowbias32_int(1) != 1
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_encode_into_writes_encodes_bytes_in_place(impl: str, bits: int) -> None:
+    """NOTE [ Batched small records ]: the buffers given hold what encode would allocate."""
+    codec = QuantizeCodec(group_size=64)
+    t = torch.randn(5 * 64) * 3
+    record = codec.encode(t, bits=bits, seed=7, impl=impl)
+    payload = torch.full((2 * 5 * 64 * bits // 8,), 0xAB, dtype=torch.uint8)
+    meta = torch.zeros((10, 2))
+    # views of larger buffers, as a batch's records are: only their part is written
+    assert not codec.encode_into(t, payload[:5 * 64 * bits // 8], meta[:5], bits=bits, seed=7, impl=impl)
+    assert torch.equal(payload[:5 * 64 * bits // 8], record.buffers["payload"])
+    assert torch.equal(meta[:5], record.buffers["meta"])
+    assert bool((payload[5 * 64 * bits // 8:] == 0xAB).all()) and bool((meta[5:] == 0).all())
+
+
+def test_encode_into_reports_non_finite_values_and_checks_its_buffers() -> None:
+    from memctl.errors import CodecError
+
+    codec = QuantizeCodec(group_size=64)
+    t = torch.randn(128)
+    t[3] = float("nan")
+    payload, meta = torch.empty(32, dtype=torch.uint8), torch.empty((2, 2))
+    assert codec.encode_into(t, payload, meta, bits=2)
+    index, value = codec.exceptions(t)
+    assert index.tolist() == [3] and torch.isnan(value).all()
+    with pytest.raises(CodecError, match="payload of 32 bytes"):
+        codec.encode_into(t, torch.empty(16, dtype=torch.uint8), meta, bits=2)
+    with pytest.raises(CodecError, match="bits=3"):
+        codec.encode_into(t, payload, meta, bits=3)

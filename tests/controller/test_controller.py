@@ -223,6 +223,7 @@ def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(codec, "encode", broken)
     monkeypatch.setattr(codec, "encode_with_positive", broken)  # ReLU outputs' entry point
+    monkeypatch.setattr(codec, "encode_into", broken)  # small records' (NOTE [ Batched small records ])
     loss = _train_step(model, opt)
     assert loss == loss  # finite, training went on
     s = ctl.stats()

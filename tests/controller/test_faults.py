@@ -67,6 +67,7 @@ def test_codec_raising_keeps_tensors_exact_and_training_goes_on(monkeypatch: pyt
 
     monkeypatch.setattr(codec, "encode", broken)
     monkeypatch.setattr(codec, "encode_with_positive", broken)  # ReLU outputs, with their mask
+    monkeypatch.setattr(codec, "encode_into", broken)  # small records (NOTE [ Batched small records ])
     for i in range(3):
         _grads_both(model, plain, seed=i)
         assert max(_rel_errors(model, plain)) == 0.0  # the fallback keeps an exact copy

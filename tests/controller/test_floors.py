@@ -292,6 +292,7 @@ def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monke
     """NOTE [ Floors known from the last forward ]: the norm's input is encoded at its floor
     at once from the second forward, with the same records and accounting as the first."""
     from memctl.codecs.quantize.codec import QuantizeCodec
+    from memctl.controller import batches
 
     widths: list[int] = []
     encode = QuantizeCodec.encode
@@ -301,6 +302,8 @@ def test_a_floor_seen_in_one_forward_encodes_the_next_forwards_tensor_once(monke
         return encode(self, t, **kw)
 
     monkeypatch.setattr(QuantizeCodec, "encode", counting)
+    # every record encoded on its own, so that each encode is counted (NOTE [ Batched small records ])
+    monkeypatch.setattr(batches, "BATCH_BELOW", 0)
     packer, x, w = _linear_setup(0)
     per_forward = []
     for _ in range(3):

@@ -140,17 +140,23 @@ def _chunks(ngroups: int, threads: int) -> int:
 
 
 def encode_cpu(
-    x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None
+    x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Encode a contiguous 1-D float32 CPU tensor: ``(payload, meta, groups with non-finite)``.
 
     ``positive``: ``ceil(n / 8)`` uint8 that receive the bit mask of ``x > 0`` in the same
-    pass (NOTE [ Positive mask in encode ] in the codec module).
+    pass (NOTE [ Positive mask in encode ] in the codec module). ``out``: the payload
+    (``ngroups * group * bits / 8`` uint8) and meta (``[ngroups, 2]`` float32) to write, both
+    contiguous (NOTE [ Batched small records ] in ``memctl/controller/batches.py``).
     """
     n = x.numel()
     ngroups = -(-n // group)
-    payload = torch.empty(ngroups * group * bits // 8, dtype=torch.uint8)
-    meta = torch.empty((ngroups, 2), dtype=torch.float32)
+    if out is None:
+        payload = torch.empty(ngroups * group * bits // 8, dtype=torch.uint8)
+        meta = torch.empty((ngroups, 2), dtype=torch.float32)
+    else:
+        payload, meta = out
     if n == 0:
         return payload, meta, 0
     k = cpu_kernels()

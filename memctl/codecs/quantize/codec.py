@@ -249,6 +249,52 @@ class QuantizeCodec:
         )
         return record, bits_record(positive, shape, t.device)
 
+    def encode_into(
+        self, t: torch.Tensor, payload: torch.Tensor, meta: torch.Tensor, *, bits: int, seed: int = 0,
+        impl: Impl | str | None = None,
+    ) -> bool:
+        """Write ``encode(t, bits=bits, seed=seed)``'s payload and meta into the given buffers
+        (contiguous, on ``t``'s device, of exactly the sizes ``encode`` would allocate); True
+        when ``t`` holds a non-finite value, whose exception list the caller then builds.
+
+        Lets a caller give several records views of one buffer that a single call fills
+        (NOTE [ Batched small records ] in ``memctl/controller/batches.py``). The CPU kernel
+        writes in place; the other implementations encode and copy.
+        """
+        _backend.require_tensor(t, _NAME)
+        if t.dtype not in FLOAT_DTYPES:
+            raise CodecError(f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}")
+        b = _check_bits(bits)
+        s = _rng.check_seed(seed)
+        g = self.config.group_size
+        ngroups = -(-t.numel() // g)
+        if (payload.dtype is not torch.uint8 or payload.numel() != ngroups * g * b // 8
+                or meta.dtype is not torch.float32 or tuple(meta.shape) != (ngroups, 2)
+                or not payload.is_contiguous() or not meta.is_contiguous()
+                or payload.device != t.device or meta.device != t.device):
+            raise CodecError(
+                f"encode_into needs a uint8 payload of {ngroups * g * b // 8} bytes and a float32 meta of "
+                f"shape ({ngroups}, 2), contiguous on {t.device}; got {payload.dtype} {tuple(payload.shape)} "
+                f"and {meta.dtype} {tuple(meta.shape)}"
+            )
+        chosen = _backend.resolve_impl(impl, t.device)
+        flat = _flat_float32(t)
+        if chosen is Impl.CPU:
+            return _quantize_kernels.encode_cpu(flat, b, g, s, out=(payload, meta))[2] > 0
+        record = self.encode(flat, bits=b, seed=s, impl=chosen)
+        payload.copy_(record.buffers["payload"])
+        meta.copy_(record.buffers["meta"])
+        return record.buffers["exc_index"].numel() > 0
+
+    def exceptions(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exception buffers ``encode(t)`` writes (positions and values of the non-finite
+        entries; shared empty ones when there are none), for :meth:`encode_into`'s callers."""
+        flat = _flat_float32(t)
+        index, value = _exceptions(flat)
+        if not index.numel():
+            return self._no_exceptions(flat.device)
+        return index, value
+
     def _encode_cuda_with_positive(
         self, flat: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -1,0 +1,190 @@
+"""Small records encoded together: :class:`Batches`.
+
+NOTE [ Batched small records ]
+A recurrent net saves many small tensors: the 2-layer GRU of ``benchmarks/training.py``
+saves ~870 a step, ~580 of them compressed, of 4,096-12,288 values each. Encoded one by
+one, each costs a codec call (~24 µs at one thread, of which ~7 µs is the kernel's work;
+the rest is argument checks, three allocations and the launch), so the codec alone was
+about the whole step time that issue's target allows memctl on that model.
+
+So a float tensor the quantize codec would encode on the CPU, with fewer than
+:data:`BATCH_BELOW` values (those its kernel runs serially anyway), a whole number of
+quantisation groups and no region code, joins a batch of its bits and dtype instead:
+- at pack time it gets its :class:`~memctl.codecs.base.Packed` record at once, whose payload
+  and group metadata are views of the batch's buffers (so the record's size, its bits and
+  every field but the bytes are right from the start), and the batch keeps the tensor;
+- the batch is encoded in one call (``QuantizeCodec.encode_into`` on the members' values
+  concatenated, group-aligned, so every member's groups are its own) when it holds
+  :data:`BATCH_VALUES` values, when the model's forward ends, before any record is
+  unpacked, and at the step boundary; a batch encoded before it is full moves its bytes to
+  buffers of the size used, so no record holds more than a batch's unused tail.
+Until then a record's bytes are not written: nothing reads them before a decode, and the
+unpack hook encodes the pending batches first. The few paths that store a record again
+(a bit floor, a root raised for a derived record) replace its data; the batch then skips it.
+A member changed in place before its batch is encoded keeps its changed values exact, and
+the unpack hook raises autograd's in-place error for it, as PyTorch does (NOTE [ In-place
+checks ]); a batch whose encode fails keeps its members exact (NOTE [ Codec fallback ]).
+The tensors held wait at most one batch (1 MiB of float32 per bits and dtype) longer than
+one by one. Stochastic rounding draws per value from the batch's seed and the value's place
+in the batch, as it would in one record.
+
+Backward reads the records in about the reverse order of the forward, so a batch's records
+are read close together: the unpack hook decodes a batch whole on the first read of one of
+its records (without a region code or a non-finite value; those are decoded alone, as any
+record) and slices the others from that tensor, holding the two batches decoded last
+(at most 2 MiB beyond decoding one by one; two, because a recurrent net's backward
+alternates between its layers' batches). On the GRU above: 12 encodes and 12-24 decodes a
+step instead of 580 of each, and memctl's CPU time beyond plain's ~71 -> ~62 ms a step
+(``benchmarks/overhead.py``); the rest of its cost is per record in Python, not the codec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memctl.codecs.base import Packed
+
+__all__ = ["BATCH_BELOW", "BATCH_VALUES", "Batch", "BatchRecord", "Batches", "Member"]
+
+BATCH_BELOW = 1 << 16
+"""Records with fewer values join a batch (the quantize kernel's serial size)."""
+BATCH_VALUES = 1 << 18
+"""Values a batch holds before it is encoded (1 MiB of float32)."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRecord(Packed):
+    """A quantize record whose buffers are views of its batch's: decoded alone like any other, or
+    sliced from its batch decoded whole (NOTE [ Batched small records ])."""
+
+    batch: Batch | None = None
+    start: int = 0
+    """Its first value's place in the batch."""
+
+
+class Member:
+    """One record of a batch: the tensor held until the batch is encoded, and where it goes."""
+
+    __slots__ = ("layer", "packed", "rec", "saved", "source", "start", "version")
+
+    def __init__(self, source: torch.Tensor, packed: Packed, start: int, rec: Any, layer: str) -> None:
+        self.source = source
+        self.version = source._version
+        self.packed = packed
+        self.start = start
+        """Its first value's place in the batch."""
+        self.rec = rec
+        self.layer = layer
+        self.saved: Any = None
+        """The record the pack hook returned (set by :meth:`Batches.own`)."""
+
+
+class Batch:
+    """Records of one bits and dtype whose bytes are written by one encode."""
+
+    __slots__ = ("bits", "dtype", "group", "members", "meta", "params", "payload", "values")
+
+    def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int) -> None:
+        self.bits = bits
+        self.dtype = dtype
+        self.group = group
+        self.payload = torch.empty(BATCH_VALUES * bits // 8, dtype=torch.uint8)
+        self.meta = torch.empty((BATCH_VALUES // group, 2), dtype=torch.float32)
+        self.params = {"bits": bits, "group_size": group, "seed": seed}
+        """Shared by the members' records (the same for all; never modified)."""
+        self.values = 0
+        self.members: list[Member] = []
+
+    def fits(self, numel: int) -> bool:
+        return self.values + numel <= BATCH_VALUES
+
+    def add(self, t: torch.Tensor, rec: Any, layer: str, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
+        """A record of ``t`` with views of this batch's buffers (its bytes written by the encode)."""
+        start, numel = self.values, t.numel()
+        per_group = self.group * self.bits // 8
+        g0, g1 = start // self.group, (start + numel) // self.group
+        packed = BatchRecord(
+            codec="quantize",
+            shape=tuple(t.shape),
+            dtype=t.dtype,
+            device=t.device,
+            buffers={"payload": self.payload[g0 * per_group:g1 * per_group], "meta": self.meta[g0:g1],
+                     "exc_index": empty[0], "exc_value": empty[1]},
+            params=self.params,
+            batch=self,
+            start=start,
+        )
+        self.members.append(Member(t, packed, start, rec, layer))
+        self.values = start + numel
+        return packed
+
+    def whole(self, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
+        """One record of every value the batch holds (after its encode)."""
+        return Packed(codec="quantize", shape=(self.values,), dtype=torch.float32, device=self.payload.device,
+                      buffers={"payload": self.payload, "meta": self.meta, "exc_index": empty[0],
+                               "exc_value": empty[1]},
+                      params=self.params)
+
+    def shrink(self) -> None:
+        """Move the bytes written to buffers of the size used, and the members' views with them."""
+        if self.values == BATCH_VALUES:
+            return
+        per_group = self.group * self.bits // 8
+        used = self.values // self.group
+        payload = self.payload[:used * per_group].clone()
+        meta = self.meta[:used].clone()
+        for m in self.members:
+            buffers: Any = m.packed.buffers
+            g0, g1 = m.start // self.group, (m.start + m.packed.numel) // self.group
+            buffers["payload"] = payload[g0 * per_group:g1 * per_group]
+            buffers["meta"] = meta[g0:g1]
+        self.payload, self.meta = payload, meta
+
+
+class Batches:
+    """The batches still to encode, by bits and dtype (NOTE [ Batched small records ])."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+        self.open: dict[tuple[int, torch.dtype], Batch] = {}
+        self._last: Member | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.open)
+
+    def accepts(self, t: torch.Tensor, numel: int) -> bool:
+        """Whether ``t`` (a float tensor without a region code, quantised) may join a batch."""
+        return numel < BATCH_BELOW and numel % self.group == 0 and t.device.type == "cpu"
+
+    def full(self, bits: int, dtype: torch.dtype, numel: int) -> Batch | None:
+        """The open batch ``numel`` more values of ``bits`` and ``dtype`` would overflow, if any."""
+        batch = self.open.get((bits, dtype))
+        return batch if batch is not None and not batch.fits(numel) else None
+
+    def add(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str,
+            empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
+        key = (bits, t.dtype)
+        batch = self.open.get(key)
+        if batch is None:
+            batch = self.open[key] = Batch(bits, t.dtype, self.group, seed)
+        packed = batch.add(t, rec, layer, empty)
+        self._last = batch.members[-1]
+        return packed
+
+    def own(self, saved: Any) -> None:
+        """The record the pack hook returns for the member added last."""
+        if self._last is not None:
+            self._last.saved = saved
+            self._last = None
+
+    def take(self, batch: Batch | None = None) -> list[Batch]:
+        """Remove and return ``batch``, or every open batch."""
+        self._last = None
+        if batch is None:
+            taken, self.open = list(self.open.values()), {}
+            return taken
+        del self.open[(batch.bits, batch.dtype)]
+        return [batch]
