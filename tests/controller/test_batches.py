@@ -207,3 +207,21 @@ def test_which_records_join_a_batch() -> None:
     forced = _packer(codec_impl="reference")  # a forced implementation encodes one by one
     one = forced.pack(torch.randn(4, 256, requires_grad=True))
     assert isinstance(one, Saved) and type(one.data).__name__ == "Packed"
+
+
+def test_micro_batches_backward_in_any_order_read_their_own_batches() -> None:
+    """Two forwards, then their backwards in reverse order: each record comes from its own batch."""
+    torch.manual_seed(0)
+    model = nn.GRU(16, 64, batch_first=True)
+    xs = [torch.randn(8, 12, 16) for _ in range(2)]
+    for x in xs:
+        model(x)[0].square().mean().backward()
+    exact = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    ctl = memctl.Controller(model, bits=8, min_numel=0, calibration_fraction=0.0, monitor_interval_s=0)
+    losses = [model(x)[0].square().mean() for x in xs]
+    for loss in reversed(losses):
+        loss.backward()
+    ctl.detach()
+    got = [p.grad for p in model.parameters() if p.grad is not None]
+    assert _cos(got, exact) > 0.9999
