@@ -33,7 +33,7 @@ are read close together: the unpack hook decodes a batch whole on the first read
 its records (without a region code or a non-finite value; those are decoded alone, as any
 record) and slices the others from that tensor, holding the two batches decoded last
 (at most 2 MiB beyond decoding one by one; two, because a recurrent net's backward
-alternates between its layers' batches: with one held, the GRU below decoded 24 batches a
+alternates between its layers' batches: with one held, the GRU above decoded 24 batches a
 step instead of 12). On the GRU above: 12 encodes and 12 decodes a step instead of 580 of
 each, the codec kernels 19.4 -> 4.9 ms and memctl's CPU time beyond plain's 66.9 -> 55.1 ms
 a step (``benchmarks/overhead.py``, benchmarks/README.md); the rest of its cost is per
