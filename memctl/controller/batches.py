@@ -49,12 +49,15 @@ import torch
 
 from memctl.codecs.base import Packed
 
-__all__ = ["BATCH_BELOW", "BATCH_VALUES", "Batch", "BatchRecord", "Batches", "Member"]
+__all__ = ["BATCH_BELOW", "BATCH_VALUES", "DEFER_PACKS", "Batch", "BatchRecord", "Batches", "Member"]
 
 BATCH_BELOW = 1 << 16
 """Records with fewer values join a batch (the quantize kernel's serial size)."""
 BATCH_VALUES = 1 << 18
 """Values a batch holds before it is encoded (1 MiB of float32)."""
+DEFER_PACKS = 4
+"""Packs a deferred record waits for the record that stores it again (NOTE [ Roots known from
+the last forward ] in packing.py)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,27 +90,38 @@ class Member:
 class Batch:
     """Records of one bits and dtype whose bytes are written by one encode."""
 
-    __slots__ = ("bits", "dtype", "group", "members", "meta", "params", "payload", "values")
+    __slots__ = ("bits", "capacity", "dtype", "group", "members", "meta", "packed_at", "params", "payload",
+                 "values")
 
-    def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int) -> None:
+    def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int,
+                 capacity: int = BATCH_VALUES) -> None:
         self.bits = bits
         self.dtype = dtype
         self.group = group
-        self.payload = torch.empty(BATCH_VALUES * bits // 8, dtype=torch.uint8)
-        self.meta = torch.empty((BATCH_VALUES // group, 2), dtype=torch.float32)
+        self.capacity = capacity
+        """Values it can hold: :data:`BATCH_VALUES`, or one record's groups (a deferred record)."""
+        self.payload = torch.empty(capacity * bits // 8, dtype=torch.uint8)
+        self.meta = torch.empty((capacity // group, 2), dtype=torch.float32)
         self.params = {"bits": bits, "group_size": group, "seed": seed}
         """Shared by the members' records (the same for all; never modified)."""
         self.values = 0
         self.members: list[Member] = []
+        self.packed_at = 0
+        """The packer's pack count when its first record joined (for a deferred record)."""
 
     def fits(self, numel: int) -> bool:
-        return self.values + numel <= BATCH_VALUES
+        return self.values + numel <= self.capacity
+
+    @property
+    def groups(self) -> int:
+        """Groups its records fill (the last one's may be partial only in a deferred record)."""
+        return -(-self.values // self.group)
 
     def add(self, t: torch.Tensor, rec: Any, layer: str, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
         """A record of ``t`` with views of this batch's buffers (its bytes written by the encode)."""
         start, numel = self.values, t.numel()
         per_group = self.group * self.bits // 8
-        g0, g1 = start // self.group, (start + numel) // self.group
+        g0, g1 = start // self.group, -(-(start + numel) // self.group)
         packed = BatchRecord(
             codec="quantize",
             shape=tuple(t.shape),
@@ -132,15 +146,15 @@ class Batch:
 
     def shrink(self) -> None:
         """Move the bytes written to buffers of the size used, and the members' views with them."""
-        if self.values == BATCH_VALUES:
+        used = self.groups
+        if used == self.capacity // self.group:
             return
         per_group = self.group * self.bits // 8
-        used = self.values // self.group
         payload = self.payload[:used * per_group].clone()
         meta = self.meta[:used].clone()
         for m in self.members:
             buffers: Any = m.packed.buffers
-            g0, g1 = m.start // self.group, (m.start + m.packed.numel) // self.group
+            g0, g1 = m.start // self.group, -(-(m.start + m.packed.numel) // self.group)
             buffers["payload"] = payload[g0 * per_group:g1 * per_group]
             buffers["meta"] = meta[g0:g1]
         self.payload, self.meta = payload, meta
@@ -152,10 +166,12 @@ class Batches:
     def __init__(self, group: int) -> None:
         self.group = group
         self.open: dict[tuple[int, torch.dtype], Batch] = {}
+        self.deferred: list[Batch] = []
+        """Records encoded alone, later (NOTE [ Roots known from the last forward ] in packing.py)."""
         self._last: Member | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.open)
+        return bool(self.open) or bool(self.deferred)
 
     def accepts(self, t: torch.Tensor, numel: int) -> bool:
         """Whether ``t`` (a float tensor without a region code, quantised) may join a batch."""
@@ -176,6 +192,17 @@ class Batches:
         self._last = batch.members[-1]
         return packed
 
+    def defer(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str,
+              empty: tuple[torch.Tensor, torch.Tensor], packs: int) -> Packed:
+        """A record of ``t`` alone, encoded later unless it is stored again first."""
+        groups = -(-t.numel() // self.group)
+        batch = Batch(bits, t.dtype, self.group, seed, capacity=groups * self.group)
+        batch.packed_at = packs
+        self.deferred.append(batch)
+        packed = batch.add(t, rec, layer, empty)
+        self._last = batch.members[-1]
+        return packed
+
     def own(self, saved: Any) -> None:
         """The record the pack hook returns for the member added last."""
         if self._last is not None:
@@ -186,7 +213,15 @@ class Batches:
         """Remove and return ``batch``, or every open batch."""
         self._last = None
         if batch is None:
-            taken, self.open = list(self.open.values()), {}
+            taken, self.open = [*self.open.values(), *self.deferred], {}
+            self.deferred = []
             return taken
-        del self.open[(batch.bits, batch.dtype)]
+        if batch.capacity == BATCH_VALUES and self.open.get((batch.bits, batch.dtype)) is batch:
+            del self.open[(batch.bits, batch.dtype)]
+        else:
+            self.deferred.remove(batch)
         return [batch]
+
+    def overdue(self, packs: int) -> list[Batch]:
+        """Deferred records packed more than :data:`DEFER_PACKS` packs ago."""
+        return [b for b in self.deferred if packs - b.packed_at > DEFER_PACKS]

@@ -96,6 +96,20 @@ forward changes gets one forward of double encodes, as before, and nothing worse
 carry no region code (a record with one is never encoded early), and a forward that packs
 nothing (evaluation under ``no_grad``) keeps the slots it found.
 
+NOTE [ Roots known from the last forward ]
+A batch norm's input is packed (and encoded at its layer's bits) before its output shows
+up; when the output is then recomputed from it (NOTE [ Batch-norm outputs recomputed from
+the input ]), the input's record moves to normalised coordinates and is encoded again, so
+the first encode is thrown away: 5 of the 19 encodes of a step of the CNN in
+``benchmarks/training.py``, ~2 ms each at one thread. As for floors, a record remembers its
+slot, and a slot whose record became such a root in the last forward is, on the CPU, given
+a deferred record (NOTE [ Batched small records ] in batches.py: its record at once, its
+bytes written later): stored again within :data:`~memctl.controller.batches.DEFER_PACKS`
+packs, it is never encoded (its group ranges, which the statistics read, take one pass
+instead); otherwise it is encoded then, or when the forward ends or a decode comes first.
+The raw tensor waits at most those few packs, and a slot not confirmed in a forward is
+forgotten.
+
 NOTE [ Codec fallback ]
 If a codec raises, the tensor is kept as an uncompressed copy, the event is counted and
 logged (a warning the first time per layer), and training goes on.
@@ -273,6 +287,9 @@ class Packer:
         self._floor_hints: dict[_Slot, int] = {}
         self._hints_next: dict[_Slot, int] = {}
         self._hints_packs = 0
+        # NOTE [ Roots known from the last forward ]
+        self._root_hints: set[_Slot] = set()
+        self._root_hints_next: set[_Slot] = set()
         self.packs = 0
         self.passed = 0
         self.fsdp_passed = 0
@@ -347,6 +364,7 @@ class Packer:
         self._regions.walks.begin_forward()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
+            self._root_hints, self._root_hints_next = self._root_hints_next, set()
             self._hints_packs = self.packs
         if not self._micro.empty:
             self._done.append(self._micro)
@@ -591,8 +609,6 @@ class Packer:
             return self.unpack(saved.alias_of).reshape(saved.shape)
         if isinstance(saved, SavedRef):
             return saved.unpack()
-        if self._batches:  # NOTE [ Batched small records ]: the bytes of pending records are written first
-            self._encode_batches()
         if saved.owner is not None:
             saved.owner.used = True
         source = saved.source() if saved.source is not None else None
@@ -600,7 +616,15 @@ class Packer:
             check_version(source, saved.version)
         data = saved.data
         if isinstance(data, torch.Tensor):
-            return data
+            return data  # exact (a node's field read in the forward, too: nothing to encode first)
+        if self._batches:  # NOTE [ Batched small records ]: the bytes of pending records are written first
+            self._encode_batches()
+            data = saved.data  # an encode that failed, or a member changed in place, keeps it exact
+            if isinstance(data, torch.Tensor):
+                source = saved.source() if saved.source is not None else None
+                if source is not None and source._version != saved.version:
+                    check_version(source, saved.version)
+                return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
         shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
@@ -699,6 +723,9 @@ class Packer:
     # -- internals -------------------------------------------------------------------
     def _pack_new(self, t: torch.Tensor, layer: str) -> Saved:
         self.packs += 1
+        if self._batches.deferred:  # NOTE [ Roots known from the last forward ]: not stored again in time
+            for b in self._batches.overdue(self.packs):
+                self._encode_batches(b)
         rec = self._step.get(layer)
         if rec is None:
             rec = self.record(layer)
@@ -767,9 +794,12 @@ class Packer:
             return saved
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
-        if (part is None and self._batching and self._batches.accepts(t, numel)
-                and (config.codec is not CodecMode.ERRORBOUND or error_bound is None)):
-            return self._batched(t, int(bits), seed, layer, rec, slot)  # NOTE [ Batched small records ]
+        quantised = config.codec is not CodecMode.ERRORBOUND or error_bound is None
+        if part is None and self._batching and quantised:
+            if self._batches.accepts(t, numel):  # NOTE [ Batched small records ]
+                return self._batched(t, int(bits), seed, layer, rec, slot)
+            if slot in self._root_hints and t.device.type == "cpu":  # NOTE [ Roots known from the last ... ]
+                return self._batched(t, int(bits), seed, layer, rec, slot, defer=True)
         try:
             p, region = self._compress(t, bits, error_bound, seed, part)
         except Exception as exc:  # see NOTE [ Codec fallback ]
@@ -789,15 +819,20 @@ class Packer:
         return saved
 
     def _batched(self, t: torch.Tensor, bits: int, seed: int, layer: str, rec: LayerStep,
-                 slot: _Slot) -> Saved:
-        """``t``'s record in a batch of small records, its bytes written later (NOTE [ Batched
-        small records ])."""
-        full = self._batches.full(bits, t.dtype, t.numel())
-        if full is not None:
-            self._encode_batches(full)
-        p = self._batches.add(t, bits, seed, rec, layer, self._empty_exceptions())
+                 slot: _Slot, defer: bool = False) -> Saved:
+        """``t``'s record in a batch of small records, or alone when ``defer``, its bytes written
+        later (NOTE [ Batched small records ], NOTE [ Roots known from the last forward ])."""
+        if defer:
+            p = self._batches.defer(t, bits, seed, rec, layer, self._empty_exceptions(), self.packs)
+        else:
+            full = self._batches.full(bits, t.dtype, t.numel())
+            if full is not None:
+                self._encode_batches(full)
+            p = self._batches.add(t, bits, seed, rec, layer, self._empty_exceptions())
         rec.bit_values += bits * t.numel()
         rec.packed_bytes += _nbytes(p)
+        # its group ranges' buffer, written by the encode before the step boundary reads it
+        self._range_stats(t, p, rec)
         saved = Saved(p, t, layer=layer)
         saved.slot = slot
         self._batches.own(saved)
@@ -818,13 +853,20 @@ class Packer:
         for b in self._batches.take(batch):
             start = time.perf_counter()
             members = b.members
-            ngroups = b.values // b.group
+            ngroups = b.groups
+            live = any(m.saved is not None and m.saved.data is m.packed for m in members)
             try:
                 with torch.no_grad():
                     flats = [m.source.reshape(-1) for m in members]
                     flat = flats[0] if len(flats) == 1 else torch.cat(flats)
-                    nonfinite = codec.encode_into(flat, b.payload[:ngroups * b.group * b.bits // 8],
-                                                  b.meta[:ngroups], bits=b.bits, seed=int(b.params["seed"]))
+                    if live:
+                        nonfinite = codec.encode_into(
+                            flat, b.payload[:ngroups * b.group * b.bits // 8], b.meta[:ngroups], bits=b.bits,
+                            seed=int(b.params["seed"]))
+                    else:  # every record stored again: only the group ranges its statistics read
+                        lo, hi = _group_ranges(flat.float(), b.group)
+                        b.meta[:ngroups, 0], b.meta[:ngroups, 1] = lo, hi
+                        nonfinite = False
             except Exception as exc:  # see NOTE [ Codec fallback ]: every member kept exact
                 self._on_fallback(members[0].layer, exc)
                 for m in members:
@@ -841,19 +883,26 @@ class Packer:
                     held = m.source.detach()
                     saved.data, saved.source = held, _Held(held)
                     continue
-                try:
-                    if nonfinite:
+                if nonfinite:
+                    try:
                         index, value = codec.exceptions(m.source)
-                        if index.numel():
-                            buffers: Any = m.packed.buffers
-                            buffers["exc_index"], buffers["exc_value"] = index, value
-                            m.rec.packed_bytes += index.nbytes + value.nbytes
-                    self._range_stats(m.source, m.packed, m.rec)
-                except Exception as exc:  # see NOTE [ Codec fallback ]: this member kept exact
-                    self._on_fallback(m.layer, exc)
-                    self._unbatch(m)
+                    except Exception as exc:  # see NOTE [ Codec fallback ]: this member kept exact
+                        self._on_fallback(m.layer, exc)
+                        self._unbatch(m)
+                        continue
+                    if index.numel():
+                        buffers: Any = m.packed.buffers
+                        buffers["exc_index"], buffers["exc_value"] = index, value
+                        m.rec.packed_bytes += index.nbytes + value.nbytes
             b.members = []  # the tensors go: the records hold the batch
-            self.timings.observe_encode(time.perf_counter() - start)
+            if live:
+                self.timings.observe_encode(time.perf_counter() - start)
+
+    def _settle_deferred(self) -> None:
+        """Let go of the deferred records stored again (NOTE [ Roots known from the last forward ])."""
+        for b in [b for b in self._batches.deferred
+                  if all(m.saved is None or m.saved.data is not m.packed for m in b.members)]:
+            self._encode_batches(b)
 
     def _unbatch(self, m: Member) -> None:
         """A member whose batch could not be encoded, kept as an exact copy."""
@@ -864,11 +913,21 @@ class Packer:
         raw = numel * m.source.element_size()
         saved.data = m.source.detach().clone()
         rec = m.rec
+        self._drop_meta(rec, m.packed)
         rec.packed_bytes += raw - m.packed.nbytes
         rec.fixed_bytes += raw
         if numel in rec.numels:
             rec.numels.remove(numel)
             rec.bit_values = max(0.0, rec.bit_values - int(m.packed.params["bits"]) * numel)
+
+    def _drop_meta(self, rec: LayerStep, old: Packed) -> None:
+        """Forget the range statistics kept for ``old`` (NOTE [ Range statistics ])."""
+        entry = self._metas.get(id(rec))
+        meta = old.buffers.get("meta")
+        if entry is not None and meta is not None:
+            entry[1][:] = [m for m in entry[1] if m is not meta]
+            if not entry[1]:
+                del self._metas[id(rec)]
 
     def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
         """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""
@@ -918,12 +977,7 @@ class Packer:
         if source.numel() in rec.numels:
             rec.numels.remove(source.numel())
             rec.bit_values = max(0.0, rec.bit_values - old_bits * source.numel())
-        entry = self._metas.get(id(rec))
-        meta = old.buffers.get("meta")
-        if entry is not None and meta is not None:
-            entry[1][:] = [m for m in entry[1] if m is not meta]
-            if not entry[1]:
-                del self._metas[id(rec)]
+        self._drop_meta(rec, old)
 
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
                    rows: torch.Tensor | None = None) -> LogProbs | None:
@@ -1150,6 +1204,10 @@ class Packer:
                 if not self._raise_root(normalised, n, int(bits), layer, rec, force=True, hidden=True):
                     return None
                 z_saved.data, root = Derived(normalised, z_of), normalised
+                if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
+                    self._root_hints_next.add(z_saved.slot)
+                if self._batches.deferred:
+                    self._settle_deferred()
             elif n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
                 return None
         except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record

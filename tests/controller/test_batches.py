@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from typing import Any
@@ -225,3 +226,45 @@ def test_micro_batches_backward_in_any_order_read_their_own_batches() -> None:
     ctl.detach()
     got = [p.grad for p in model.parameters() if p.grad is not None]
     assert _cos(got, exact) > 0.9999
+
+
+def test_a_member_changed_in_place_raises_even_once_its_tensor_is_gone() -> None:
+    packer = _packer()
+    a = torch.randn(4, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        y = a * 2
+        z = y * y
+        with torch.no_grad():
+            y.add_(1)
+    del y  # autograd's own check would need the tensor; the record keeps what it needs
+    gc.collect()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def test_a_batch_norm_input_stored_again_is_never_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Roots known from the last forward ]: from the second forward, the input that a batch
+    norm's output is recomputed from is encoded once, in normalised coordinates, with the same
+    records, bytes and statistics."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(8, 3, 64, 64)  # 262,144 values a feature map: encoded alone, not batched
+    reference = copy.deepcopy(model)
+    ctl = memctl.Controller(model, bits=2.0, bit_choices=(2,), calibration_fraction=0.0, monitor_interval_s=0)
+    encodes = _calls(ctl._packer, monkeypatch, "encode")
+    counts, stats = [], []
+    for _ in range(3):
+        encodes[0] = 0
+        model(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        ctl.step()
+        counts.append(encodes[0])
+        s = ctl.stats()
+        stats.append((s["packed_bytes"], {layer["name"]: layer["sensitivity"] for layer in s["layers"]}))
+    assert counts[1] == counts[2] == counts[0] - 1  # the batch norm's input: one encode fewer
+    assert stats[1][0] == stats[2][0] == stats[0][0]
+    # the statistics still read the batch norm input's ranges (no optimizer: the same forward)
+    assert stats[2][1]["1"] == pytest.approx(stats[0][1]["1"], rel=1e-3) and stats[2][1]["1"] > 0
+    assert not ctl._packer._batches.deferred  # nothing left waiting
+    assert _cos([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()]) > 0.99
+    ctl.detach()
