@@ -15,12 +15,15 @@ quantisation groups and no region code, joins a batch of its bits and dtype inst
   every field but the bytes are right from the start), and the batch keeps the tensor;
 - the batch is encoded in one call (``QuantizeCodec.encode_into`` on the members' values
   concatenated, group-aligned, so every member's groups are its own) when it holds
-  :data:`BATCH_VALUES` values, when the model's forward ends, before any record is
-  unpacked, and at the step boundary; a batch encoded before it is full moves its bytes to
+  :data:`BATCH_VALUES` values, when the model's forward ends, before a lossy record is
+  decoded, and at the step boundary; a batch encoded before it is full moves its bytes to
   buffers of the size used, so no record holds more than a batch's unused tail.
 Until then a record's bytes are not written: nothing reads them before a decode, and the
-unpack hook encodes the pending batches first. The few paths that store a record again
-(a bit floor, a root raised for a derived record) replace its data; the batch then skips it.
+unpack hook encodes the pending batches before it decodes anything (a node's exact field
+read in the forward, a batch norm's mean, does not wait for them). The few paths that
+store a record again (a bit floor, a root raised for a derived record) replace its data;
+the batch then skips it, and a batch whose records were all stored again is not encoded:
+one pass over its values keeps the group ranges the statistics read.
 A member changed in place before its batch is encoded keeps its changed values exact, and
 the unpack hook raises autograd's in-place error for it, as PyTorch does (NOTE [ In-place
 checks ]); a batch whose encode fails keeps its members exact (NOTE [ Codec fallback ]).
