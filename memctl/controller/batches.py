@@ -76,18 +76,21 @@ class BatchRecord(Packed):
 class Member:
     """One record of a batch: the tensor held until the batch is encoded, and where it goes."""
 
-    __slots__ = ("layer", "packed", "rec", "saved", "source", "start", "version")
+    __slots__ = ("layer", "packed", "rec", "saved", "source", "version")
 
-    def __init__(self, source: torch.Tensor, packed: Packed, start: int, rec: Any, layer: str) -> None:
+    def __init__(self, source: torch.Tensor, packed: BatchRecord, rec: Any, layer: str) -> None:
         self.source = source
         self.version = source._version
         self.packed = packed
-        self.start = start
-        """Its first value's place in the batch."""
         self.rec = rec
         self.layer = layer
         self.saved: Any = None
         """The record the pack hook returned (set by :meth:`Batches.own`)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether its record still holds this batch's bytes (not stored again since)."""
+        return self.saved is not None and self.saved.data is self.packed
 
 
 class Batch:
@@ -120,23 +123,27 @@ class Batch:
         """Groups its records fill (the last one's may be partial only in a deferred record)."""
         return -(-self.values // self.group)
 
+    def _views(self, start: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload and meta of the values ``start`` to ``start + numel``, as views."""
+        per_group = self.group * self.bits // 8
+        g0, g1 = start // self.group, -(-(start + numel) // self.group)
+        return self.payload[g0 * per_group:g1 * per_group], self.meta[g0:g1]
+
     def add(self, t: torch.Tensor, rec: Any, layer: str, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
         """A record of ``t`` with views of this batch's buffers (its bytes written by the encode)."""
         start, numel = self.values, t.numel()
-        per_group = self.group * self.bits // 8
-        g0, g1 = start // self.group, -(-(start + numel) // self.group)
+        payload, meta = self._views(start, numel)
         packed = BatchRecord(
             codec="quantize",
             shape=tuple(t.shape),
             dtype=t.dtype,
             device=t.device,
-            buffers={"payload": self.payload[g0 * per_group:g1 * per_group], "meta": self.meta[g0:g1],
-                     "exc_index": empty[0], "exc_value": empty[1]},
+            buffers={"payload": payload, "meta": meta, "exc_index": empty[0], "exc_value": empty[1]},
             params=self.params,
             batch=self,
             start=start,
         )
-        self.members.append(Member(t, packed, start, rec, layer))
+        self.members.append(Member(t, packed, rec, layer))
         self.values = start + numel
         return packed
 
@@ -152,15 +159,11 @@ class Batch:
         used = self.groups
         if used == self.capacity // self.group:
             return
-        per_group = self.group * self.bits // 8
-        payload = self.payload[:used * per_group].clone()
-        meta = self.meta[:used].clone()
+        self.payload = self.payload[:used * self.group * self.bits // 8].clone()
+        self.meta = self.meta[:used].clone()
         for m in self.members:
             buffers: Any = m.packed.buffers
-            g0, g1 = m.start // self.group, -(-(m.start + m.packed.numel) // self.group)
-            buffers["payload"] = payload[g0 * per_group:g1 * per_group]
-            buffers["meta"] = meta[g0:g1]
-        self.payload, self.meta = payload, meta
+            buffers["payload"], buffers["meta"] = self._views(m.packed.start, m.packed.numel)
 
 
 class Batches:
@@ -219,7 +222,7 @@ class Batches:
             taken, self.open = [*self.open.values(), *self.deferred], {}
             self.deferred = []
             return taken
-        if batch.capacity == BATCH_VALUES and self.open.get((batch.bits, batch.dtype)) is batch:
+        if self.open.get((batch.bits, batch.dtype)) is batch:
             del self.open[(batch.bits, batch.dtype)]
         else:
             self.deferred.remove(batch)

@@ -611,20 +611,18 @@ class Packer:
             return saved.unpack()
         if saved.owner is not None:
             saved.owner.used = True
+        data = saved.data
+        # NOTE [ Batched small records ]: the bytes of pending records are written before a lossy
+        # decode (an exact record, a node's field read in the forward too, needs nothing encoded);
+        # an encode that failed, or a member changed in place, leaves the record exact
+        if self._batches and not isinstance(data, torch.Tensor):
+            self._encode_batches()
+            data = saved.data
         source = saved.source() if saved.source is not None else None
         if source is not None and source._version != saved.version:
             check_version(source, saved.version)
-        data = saved.data
         if isinstance(data, torch.Tensor):
-            return data  # exact (a node's field read in the forward, too: nothing to encode first)
-        if self._batches:  # NOTE [ Batched small records ]: the bytes of pending records are written first
-            self._encode_batches()
-            data = saved.data  # an encode that failed, or a member changed in place, keeps it exact
-            if isinstance(data, torch.Tensor):
-                source = saved.source() if saved.source is not None else None
-                if source is not None and source._version != saved.version:
-                    check_version(source, saved.version)
-                return data
+            return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
         shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
@@ -854,7 +852,7 @@ class Packer:
             start = time.perf_counter()
             members = b.members
             ngroups = b.groups
-            live = any(m.saved is not None and m.saved.data is m.packed for m in members)
+            live = any(m.live for m in members)
             try:
                 with torch.no_grad():
                     flats = [m.source.reshape(-1) for m in members]
@@ -874,9 +872,9 @@ class Packer:
                 continue
             b.shrink()
             for m in members:
-                saved = m.saved
-                if saved is None or saved.data is not m.packed:
+                if not m.live:
                     continue  # stored again meanwhile (a floor, a raised root)
+                saved = m.saved
                 if m.source._version != m.version:
                     # changed in place after it was saved: kept as it is now, and unpack raises
                     # autograd's error (NOTE [ In-place checks ]) however long the tensor lives
@@ -900,25 +898,21 @@ class Packer:
 
     def _settle_deferred(self) -> None:
         """Let go of the deferred records stored again (NOTE [ Roots known from the last forward ])."""
-        for b in [b for b in self._batches.deferred
-                  if all(m.saved is None or m.saved.data is not m.packed for m in b.members)]:
+        for b in [b for b in self._batches.deferred if not any(m.live for m in b.members)]:
             self._encode_batches(b)
 
     def _unbatch(self, m: Member) -> None:
         """A member whose batch could not be encoded, kept as an exact copy."""
-        saved = m.saved
-        if saved is None or saved.data is not m.packed:
+        if not m.live:
             return
         numel = m.packed.numel
         raw = numel * m.source.element_size()
-        saved.data = m.source.detach().clone()
+        m.saved.data = m.source.detach().clone()
         rec = m.rec
         self._drop_meta(rec, m.packed)
         rec.packed_bytes += raw - m.packed.nbytes
         rec.fixed_bytes += raw
-        if numel in rec.numels:
-            rec.numels.remove(numel)
-            rec.bit_values = max(0.0, rec.bit_values - int(m.packed.params["bits"]) * numel)
+        _uncontrol(rec, numel, int(m.packed.params["bits"]))
 
     def _drop_meta(self, rec: LayerStep, old: Packed) -> None:
         """Forget the range statistics kept for ``old`` (NOTE [ Range statistics ])."""
@@ -974,9 +968,7 @@ class Packer:
         rec.packed_bytes += nbytes - old.nbytes
         rec.fixed_bytes += nbytes
         rec.floored_bytes += nbytes
-        if source.numel() in rec.numels:
-            rec.numels.remove(source.numel())
-            rec.bit_values = max(0.0, rec.bit_values - old_bits * source.numel())
+        _uncontrol(rec, source.numel(), old_bits)
         self._drop_meta(rec, old)
 
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
@@ -1411,6 +1403,13 @@ def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tenso
     hi = hi_src.view(-1, g).amax(dim=1)
     ok = torch.isfinite(lo) & torch.isfinite(hi)
     return torch.where(ok, lo, 0.0), torch.where(ok, hi, 0.0)
+
+
+def _uncontrol(rec: LayerStep, numel: int, bits: int) -> None:
+    """Take a record of ``numel`` values at ``bits`` out of its layer's controlled values."""
+    if numel in rec.numels:
+        rec.numels.remove(numel)
+        rec.bit_values = max(0.0, rec.bit_values - bits * numel)
 
 
 def _alive(ref: weakref.ref[Saved]) -> bool:

@@ -140,6 +140,16 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     return ngroups * (g * b // 8) + ngroups * 2 * 4
 
 
+def _check_input(t: torch.Tensor) -> None:
+    """A tensor of a dtype ``encode`` takes, else a ``CodecError`` naming the fix."""
+    _backend.require_tensor(t, _NAME)
+    if t.dtype not in FLOAT_DTYPES:
+        raise CodecError(
+            f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
+            "convert with .float() or use the 'lossless' codec"
+        )
+
+
 def _flat_float32(t: torch.Tensor) -> torch.Tensor:
     """A contiguous 1-D float32 tensor of ``t``'s values (a view when ``t`` already is one)."""
     if t.dtype is torch.float32 and t.is_contiguous():
@@ -183,12 +193,7 @@ class QuantizeCodec:
         impl: Impl | str | None = None,
     ) -> Packed:
         """Quantize ``t`` (float32/16, bfloat16; any shape and layout) to ``bits`` per value."""
-        _backend.require_tensor(t, _NAME)
-        if t.dtype not in FLOAT_DTYPES:
-            raise CodecError(
-                f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
-                "convert with .float() or use the 'lossless' codec"
-            )
+        _check_input(t)
         if error_bound is not None:
             raise CodecError(
                 f"'quantize' takes bits, not error_bound={error_bound!r}; "
@@ -261,9 +266,7 @@ class QuantizeCodec:
         (NOTE [ Batched small records ] in ``memctl/controller/batches.py``). The CPU kernel
         writes in place; the other implementations encode and copy.
         """
-        _backend.require_tensor(t, _NAME)
-        if t.dtype not in FLOAT_DTYPES:
-            raise CodecError(f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}")
+        _check_input(t)
         b = _check_bits(bits)
         s = _rng.check_seed(seed)
         g = self.config.group_size
