@@ -10,14 +10,22 @@ about the whole step time that issue's target allows memctl on that model.
 So a float tensor the quantize codec would encode on the CPU, with fewer than
 :data:`BATCH_BELOW` values (those its kernel runs serially anyway), a whole number of
 quantisation groups and no region code, joins a batch of its bits and dtype instead:
-- at pack time it gets its :class:`~memctl.codecs.base.Packed` record at once, whose payload
-  and group metadata are views of the batch's buffers (so the record's size, its bits and
-  every field but the bytes are right from the start), and the batch keeps the tensor;
+- at pack time it gets its record at once (a :class:`BatchRecord`, a
+  :class:`~memctl.codecs.base.Packed` whose payload and group metadata are slices of the
+  batch's buffers, made when read), so the record's size, its bits and every field but the
+  bytes are right from the start; the record holds the tensor until the batch is encoded;
 - the batch is encoded in one call (``QuantizeCodec.encode_into`` on the members' values
   concatenated, group-aligned, so every member's groups are its own) when it holds
   :data:`BATCH_VALUES` values, when the model's forward ends, before a lossy record is
   decoded, and at the step boundary; a batch encoded before it is full moves its bytes to
-  buffers of the size used, so no record holds more than a batch's unused tail.
+  a payload of the size used, so no record holds more than a batch's unused tail.
+A record is one object with a few attributes: no dictionary, no view tensors, no member
+object beside it, its size computed, and the range statistics of a layer's consecutive
+records in a batch kept as one run of the batch's groups (NOTE [ Range statistics ] in
+packing.py). The first version made two views, a dictionary and a member per record:
+~7 µs a record more in the pack hook and a third more objects for the garbage collector
+to walk (the GRU below: 47.1 -> 40.4 µs a saved tensor in the pack hook, and the young
+collections 2.2 -> 1.2 ms a step).
 Until then a record's bytes are not written: nothing reads them before a decode, and the
 unpack hook encodes the pending batches before it decodes anything (a node's exact field
 read in the forward, a batch norm's mean, does not wait for them). The few paths that
@@ -45,14 +53,14 @@ record in Python, not the codec.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from memctl.codecs.base import Packed
 
-__all__ = ["BATCH_BELOW", "BATCH_VALUES", "DEFER_PACKS", "Batch", "BatchRecord", "Batches", "Member"]
+__all__ = ["BATCH_BELOW", "BATCH_VALUES", "DEFER_PACKS", "Batch", "BatchRecord", "Batches"]
 
 BATCH_BELOW = 1 << 16
 """Records with fewer values join a batch (the quantize kernel's serial size)."""
@@ -63,44 +71,80 @@ DEFER_PACKS = 4
 the last forward ] in packing.py)."""
 
 
-@dataclass(frozen=True, eq=False)
 class BatchRecord(Packed):
-    """A quantize record whose buffers are views of its batch's: decoded alone like any other, or
-    sliced from its batch decoded whole (NOTE [ Batched small records ])."""
+    """A quantize record of a batch (NOTE [ Batched small records ]), decoded alone like any
+    other or sliced from its batch decoded whole.
 
-    batch: Batch | None = None
-    start: int = 0
-    """Its first value's place in the batch."""
+    It is also the batch's member: until the batch is encoded it holds the tensor and where
+    its bytes are counted. Its buffers are views of the batch's, made when read (a decode
+    alone, a caller reading ``buffers``), not at pack time: a record is a few attributes, not
+    a dictionary and two tensors, for each of the hundreds of small tensors a recurrent net
+    saves a step (NOTE [ Pack path cost ] in packing.py)."""
 
+    __slots__ = ("batch", "exc", "layer", "rec", "saved", "source", "start", "version")
+    __setattr__ = object.__setattr__  # its own fields change as the batch is encoded (Packed's do not)
+    codec = "quantize"
 
-class Member:
-    """One record of a batch: the tensor held until the batch is encoded, and where it goes."""
-
-    __slots__ = ("layer", "packed", "rec", "saved", "source", "version")
-
-    def __init__(self, source: torch.Tensor, packed: BatchRecord, rec: Any, layer: str) -> None:
-        self.source = source
+    def __init__(self, batch: Batch, start: int, source: torch.Tensor, rec: Any, layer: str) -> None:
+        object.__setattr__(self, "shape", tuple(source.shape))  # Packed's fields, set once
+        object.__setattr__(self, "dtype", source.dtype)
+        object.__setattr__(self, "device", source.device)
+        self.batch = batch
+        self.start = start
+        """Its first value's place in the batch."""
+        self.exc: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Its non-finite values' places and values, if it has any (set by the encode)."""
+        self.source: torch.Tensor | None = source
+        """The tensor, held until the batch is encoded."""
         self.version = source._version
-        self.packed = packed
         self.rec = rec
         self.layer = layer
         self.saved: Any = None
-        """The record the pack hook returned (set by :meth:`Batches.own`)."""
+        """The record the pack hook returned, until the batch is encoded (it holds this one)."""
+
+    @property
+    def params(self) -> Mapping[str, int | float | str]:
+        return self.batch.params
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """Its first group in the batch, and the one after its last."""
+        group = self.batch.group
+        return self.start // group, -(-(self.start + self.numel) // group)
+
+    @property
+    def buffers(self) -> Mapping[str, torch.Tensor]:
+        b = self.batch
+        g0, g1 = self.groups
+        per_group = b.group * b.bits // 8
+        exc = self.exc if self.exc is not None else b.empty
+        return {"payload": b.payload[g0 * per_group:g1 * per_group], "meta": b.meta[g0:g1],
+                "exc_index": exc[0], "exc_value": exc[1]}
+
+    @property
+    def nbytes(self) -> int:
+        """Its groups' payload and (min, max) metadata, and its exceptions (as ``Packed.nbytes``)."""
+        b = self.batch
+        g0, g1 = self.groups
+        n = (g1 - g0) * (b.group * b.bits // 8 + 8)
+        if self.exc is not None:
+            n += self.exc[0].nbytes + self.exc[1].nbytes
+        return n
 
     @property
     def live(self) -> bool:
         """Whether its record still holds this batch's bytes (not stored again since)."""
-        return self.saved is not None and self.saved.data is self.packed
+        return self.saved is not None and self.saved.data is self
 
 
 class Batch:
     """Records of one bits and dtype whose bytes are written by one encode."""
 
-    __slots__ = ("bits", "capacity", "dtype", "group", "members", "meta", "packed_at", "params", "payload",
-                 "values")
+    __slots__ = ("bits", "capacity", "dtype", "empty", "group", "members", "meta", "packed_at", "params",
+                 "payload", "values")
 
     def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int,
-                 capacity: int = BATCH_VALUES) -> None:
+                 empty: tuple[torch.Tensor, torch.Tensor], capacity: int = BATCH_VALUES) -> None:
         self.bits = bits
         self.dtype = dtype
         self.group = group
@@ -108,10 +152,15 @@ class Batch:
         """Values it can hold: :data:`BATCH_VALUES`, or one record's groups (a deferred record)."""
         self.payload = torch.empty(capacity * bits // 8, dtype=torch.uint8)
         self.meta = torch.empty((capacity // group, 2), dtype=torch.float32)
+        """Every group's (min, max), at its capacity's size all its life: the range statistics
+        keep slices of it (NOTE [ Range statistics ] in packing.py)."""
         self.params = {"bits": bits, "group_size": group, "seed": seed}
         """Shared by the members' records (the same for all; never modified)."""
+        self.empty = empty
+        """The shared empty exception buffers of the records without non-finite values."""
         self.values = 0
-        self.members: list[Member] = []
+        self.members: list[BatchRecord] = []
+        """Its records, until it is encoded."""
         self.packed_at = 0
         """The packer's pack count when its first record joined (for a deferred record)."""
 
@@ -123,58 +172,39 @@ class Batch:
         """Groups its records fill (the last one's may be partial only in a deferred record)."""
         return -(-self.values // self.group)
 
-    def _views(self, start: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The payload and meta of the values ``start`` to ``start + numel``, as views."""
-        per_group = self.group * self.bits // 8
-        g0, g1 = start // self.group, -(-(start + numel) // self.group)
-        return self.payload[g0 * per_group:g1 * per_group], self.meta[g0:g1]
-
-    def add(self, t: torch.Tensor, rec: Any, layer: str, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
-        """A record of ``t`` with views of this batch's buffers (its bytes written by the encode)."""
-        start, numel = self.values, t.numel()
-        payload, meta = self._views(start, numel)
-        packed = BatchRecord(
-            codec="quantize",
-            shape=tuple(t.shape),
-            dtype=t.dtype,
-            device=t.device,
-            buffers={"payload": payload, "meta": meta, "exc_index": empty[0], "exc_value": empty[1]},
-            params=self.params,
-            batch=self,
-            start=start,
-        )
-        self.members.append(Member(t, packed, rec, layer))
-        self.values = start + numel
+    def add(self, t: torch.Tensor, rec: Any, layer: str) -> BatchRecord:
+        """A record of ``t`` (its bytes written by the encode)."""
+        start = self.values
+        packed = BatchRecord(self, start, t, rec, layer)
+        self.members.append(packed)
+        self.values = start + t.numel()
         return packed
 
-    def whole(self, empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
+    def whole(self) -> Packed:
         """One record of every value the batch holds (after its encode)."""
         return Packed(codec="quantize", shape=(self.values,), dtype=torch.float32, device=self.payload.device,
-                      buffers={"payload": self.payload, "meta": self.meta, "exc_index": empty[0],
-                               "exc_value": empty[1]},
+                      buffers={"payload": self.payload, "meta": self.meta[:self.groups],
+                               "exc_index": self.empty[0], "exc_value": self.empty[1]},
                       params=self.params)
 
     def shrink(self) -> None:
-        """Move the bytes written to buffers of the size used, and the members' views with them."""
+        """Move the bytes written to a payload of the size used (the records' views follow: they
+        are made when read). The metadata stays, at most 8 bytes a group unused."""
         used = self.groups
         if used == self.capacity // self.group:
             return
         self.payload = self.payload[:used * self.group * self.bits // 8].clone()
-        self.meta = self.meta[:used].clone()
-        for m in self.members:
-            buffers: Any = m.packed.buffers
-            buffers["payload"], buffers["meta"] = self._views(m.packed.start, m.packed.numel)
 
 
 class Batches:
     """The batches still to encode, by bits and dtype (NOTE [ Batched small records ])."""
 
-    def __init__(self, group: int) -> None:
+    def __init__(self, group: int, empty: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.group = group
+        self._empty = empty
         self.open: dict[tuple[int, torch.dtype], Batch] = {}
         self.deferred: list[Batch] = []
         """Records encoded alone, later (NOTE [ Roots known from the last forward ] in packing.py)."""
-        self._last: Member | None = None
 
     def __bool__(self) -> bool:
         return bool(self.open) or bool(self.deferred)
@@ -188,36 +218,23 @@ class Batches:
         batch = self.open.get((bits, dtype))
         return batch if batch is not None and not batch.fits(numel) else None
 
-    def add(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str,
-            empty: tuple[torch.Tensor, torch.Tensor]) -> Packed:
+    def add(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str) -> BatchRecord:
         key = (bits, t.dtype)
         batch = self.open.get(key)
         if batch is None:
-            batch = self.open[key] = Batch(bits, t.dtype, self.group, seed)
-        packed = batch.add(t, rec, layer, empty)
-        self._last = batch.members[-1]
-        return packed
+            batch = self.open[key] = Batch(bits, t.dtype, self.group, seed, self._empty())
+        return batch.add(t, rec, layer)
 
-    def defer(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str,
-              empty: tuple[torch.Tensor, torch.Tensor], packs: int) -> Packed:
+    def defer(self, t: torch.Tensor, bits: int, seed: int, rec: Any, layer: str, packs: int) -> BatchRecord:
         """A record of ``t`` alone, encoded later unless it is stored again first."""
         groups = -(-t.numel() // self.group)
-        batch = Batch(bits, t.dtype, self.group, seed, capacity=groups * self.group)
+        batch = Batch(bits, t.dtype, self.group, seed, self._empty(), capacity=groups * self.group)
         batch.packed_at = packs
         self.deferred.append(batch)
-        packed = batch.add(t, rec, layer, empty)
-        self._last = batch.members[-1]
-        return packed
-
-    def own(self, saved: Any) -> None:
-        """The record the pack hook returns for the member added last."""
-        if self._last is not None:
-            self._last.saved = saved
-            self._last = None
+        return batch.add(t, rec, layer)
 
     def take(self, batch: Batch | None = None) -> list[Batch]:
         """Remove and return ``batch``, or every open batch."""
-        self._last = None
         if batch is None:
             taken, self.open = [*self.open.values(), *self.deferred], {}
             self.deferred = []

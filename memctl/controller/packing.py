@@ -131,7 +131,7 @@ import torch
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
-from memctl.controller.batches import Batch, Batches, BatchRecord, Member
+from memctl.controller.batches import Batch, Batches, BatchRecord
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
 from memctl.controller.expressions import Expression, build, is_elementwise
@@ -208,7 +208,7 @@ class Saved:
         self.layer = layer
         """The layer whose bits decide this record (None: not under the allocation's control)."""
         # a plain tuple of ints (which the garbage collector stops tracking): the record's own when packed
-        self.shape = data.shape if type(data) is Packed else tuple(like.shape)
+        self.shape = data.shape if type(data) is Packed or type(data) is BatchRecord else tuple(like.shape)
         self.dtype = like.dtype
         self.device = like.device
         # NOTE [ In-place checks ] and NOTE [ Micro-batches ]; set by Packer.pack
@@ -271,7 +271,8 @@ class Packer:
         """Samples per forward of the last finished step's peak micro-batch."""
         self.last_micro_batches = 0
         """Micro-batches (forwards that backward read) in the last finished step."""
-        self._metas: dict[int, tuple[LayerStep, list[torch.Tensor]]] = {}  # NOTE [ Range statistics ]
+        # NOTE [ Range statistics ]: by layer, its records' metadata, or runs of a batch's groups
+        self._metas: dict[int, tuple[LayerStep, list[torch.Tensor | list[Any]]]] = {}
         self._regions = RegionTracker()
         self._floors = FloorTracker({ATTENTION: config.attention_bits, VALUES: config.attention_value_bits,
                                      NORM: config.norm_bits})
@@ -296,7 +297,7 @@ class Packer:
         self.fsdp = FsdpParameters()
         self.timings = Timings()
         self._shared = SharedDecode()
-        self._batches = Batches(config.group_size)  # NOTE [ Batched small records ] in batches.py
+        self._batches = Batches(config.group_size, self._empty_exceptions)  # NOTE [ Batched small records ]
         self._batching = config.codec_impl is None
         # NOTE [ Elementwise expressions ] in expressions.py: this forward's records by the autograd
         # output they were packed from (the node held, so that its id is not reused meanwhile), and
@@ -647,7 +648,7 @@ class Packer:
             codec: Any = self._codec(data.codec)
             # NOTE [ ReLU masks ]
             fused = _relu_code(saved) if saved.regions and decodes_mask(codec) else None
-            if fused is None and type(data) is BatchRecord and not data.buffers["exc_index"].numel():
+            if fused is None and type(data) is BatchRecord and data.exc is None:
                 out = self._from_batch(data, codec)  # NOTE [ Batched small records ]
             else:
                 out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
@@ -682,7 +683,7 @@ class Packer:
         elif len(held) > 1 and held[1][0] is batch:
             values = held[1][1]
         else:
-            values = codec.decode(batch.whole(self._empty_exceptions()))
+            values = codec.decode(batch.whole())
             self._decoded = ((batch, values), *held[:1])
         out = values[data.start:data.start + data.numel].view(data.shape)
         return out if out.dtype is data.dtype else out.to(data.dtype)
@@ -821,19 +822,17 @@ class Packer:
         """``t``'s record in a batch of small records, or alone when ``defer``, its bytes written
         later (NOTE [ Batched small records ], NOTE [ Roots known from the last forward ])."""
         if defer:
-            p = self._batches.defer(t, bits, seed, rec, layer, self._empty_exceptions(), self.packs)
+            p = self._batches.defer(t, bits, seed, rec, layer, self.packs)
         else:
             full = self._batches.full(bits, t.dtype, t.numel())
             if full is not None:
                 self._encode_batches(full)
-            p = self._batches.add(t, bits, seed, rec, layer, self._empty_exceptions())
+            p = self._batches.add(t, bits, seed, rec, layer)
+        self._batch_range_stats(p, rec)  # (if it raises, the member is never live: the batch skips it)
         rec.bit_values += bits * t.numel()
-        rec.packed_bytes += _nbytes(p)
-        # its group ranges' buffer, written by the encode before the step boundary reads it
-        self._range_stats(t, p, rec)
-        saved = Saved(p, t, layer=layer)
+        rec.packed_bytes += p.nbytes
+        saved = p.saved = Saved(p, t, layer=layer)
         saved.slot = slot
-        self._batches.own(saved)
         return saved
 
     def _empty_exceptions(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -855,7 +854,7 @@ class Packer:
             live = any(m.live for m in members)
             try:
                 with torch.no_grad():
-                    flats = [m.source.reshape(-1) for m in members]
+                    flats = [m.source.reshape(-1) for m in members if m.source is not None]
                     flat = flats[0] if len(flats) == 1 else torch.cat(flats)
                     if live:
                         nonfinite = codec.encode_into(
@@ -869,30 +868,33 @@ class Packer:
                 self._on_fallback(members[0].layer, exc)
                 for m in members:
                     self._unbatch(m)
+                    m.source = m.saved = None
                 continue
             b.shrink()
             for m in members:
-                if not m.live:
+                source = m.source
+                if not m.live or source is None:
                     continue  # stored again meanwhile (a floor, a raised root)
                 saved = m.saved
-                if m.source._version != m.version:
+                if source._version != m.version:
                     # changed in place after it was saved: kept as it is now, and unpack raises
                     # autograd's error (NOTE [ In-place checks ]) however long the tensor lives
-                    held = m.source.detach()
+                    held = source.detach()
                     saved.data, saved.source = held, _Held(held)
                     continue
                 if nonfinite:
                     try:
-                        index, value = codec.exceptions(m.source)
+                        index, value = codec.exceptions(source)
                     except Exception as exc:  # see NOTE [ Codec fallback ]: this member kept exact
                         self._on_fallback(m.layer, exc)
                         self._unbatch(m)
                         continue
                     if index.numel():
-                        buffers: Any = m.packed.buffers
-                        buffers["exc_index"], buffers["exc_value"] = index, value
+                        m.exc = index, value
                         m.rec.packed_bytes += index.nbytes + value.nbytes
-            b.members = []  # the tensors go: the records hold the batch
+            for m in members:  # the tensors go, and the records' cycles with theirs
+                m.source = m.saved = None
+            b.members = []
             if live:
                 self.timings.observe_encode(time.perf_counter() - start)
 
@@ -901,27 +903,38 @@ class Packer:
         for b in [b for b in self._batches.deferred if not any(m.live for m in b.members)]:
             self._encode_batches(b)
 
-    def _unbatch(self, m: Member) -> None:
+    def _unbatch(self, m: BatchRecord) -> None:
         """A member whose batch could not be encoded, kept as an exact copy."""
-        if not m.live:
+        source = m.source
+        if not m.live or source is None:
             return
-        numel = m.packed.numel
-        raw = numel * m.source.element_size()
-        m.saved.data = m.source.detach().clone()
+        numel = m.numel
+        raw = numel * source.element_size()
+        m.saved.data = source.detach().clone()
         rec = m.rec
-        self._drop_meta(rec, m.packed)
-        rec.packed_bytes += raw - m.packed.nbytes
+        self._drop_meta(rec, m)
+        rec.packed_bytes += raw - m.nbytes
         rec.fixed_bytes += raw
-        _uncontrol(rec, numel, int(m.packed.params["bits"]))
+        _uncontrol(rec, numel, m.batch.bits)
 
     def _drop_meta(self, rec: LayerStep, old: Packed) -> None:
         """Forget the range statistics kept for ``old`` (NOTE [ Range statistics ])."""
         entry = self._metas.get(id(rec))
-        meta = old.buffers.get("meta")
-        if entry is not None and meta is not None:
-            entry[1][:] = [m for m in entry[1] if m is not meta]
-            if not entry[1]:
-                del self._metas[id(rec)]
+        if entry is None:
+            return
+        kept = entry[1]
+        if type(old) is BatchRecord:  # its groups leave the run that holds them
+            meta, (g0, g1) = old.batch.meta, old.groups
+            for i, run in enumerate(kept):
+                if type(run) is list and run[0] is meta and run[1] <= g0 and g1 <= run[2]:
+                    kept[i:i + 1] = [r for r in ([meta, run[1], g0], [meta, g1, run[2]]) if r[1] < r[2]]
+                    break
+        else:
+            held = old.buffers.get("meta")
+            if held is not None:
+                kept[:] = [m for m in kept if m is not held]
+        if not kept:
+            del self._metas[id(rec)]
 
     def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
         """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""
@@ -1269,7 +1282,11 @@ class Packer:
         one concatenation and a few reductions, instead of ~10 small tensor operations per
         saved tensor (a GRU saves ~900 per step). A buffer is held until the step boundary
         even when backward has freed its record: 8 bytes per group, under 1% of the raw
-        activation, and the step boundary follows the backward pass.
+        activation, and the step boundary follows the backward pass. A batched record
+        (NOTE [ Batched small records ] in batches.py) keeps its groups of its batch's
+        metadata instead, as a run ``[meta, first group, end]`` that the next record of the
+        same layer in the batch extends (a record stored again leaves its run, which splits);
+        the runs are sliced at the step boundary, after every batch is encoded.
 
         A derived record (NOTE [ Outputs recomputed from the input ], NOTE [ Batch-norm
         outputs recomputed from the input ]) has no metadata of its own: its groups' ranges
@@ -1298,6 +1315,21 @@ class Packer:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
         _RangeTerms.of(t.numel(), lo, hi, g).add_to(rec)
 
+    def _batch_range_stats(self, p: BatchRecord, rec: LayerStep) -> None:
+        """:meth:`_range_stats` of a batched record: its groups of the batch's metadata, written
+        by the batch's encode before the step boundary reads them; consecutive records of a layer
+        in one batch make one run of groups (NOTE [ Range statistics ])."""
+        meta, (g0, g1) = p.batch.meta, p.groups
+        entry = self._metas.get(id(rec))
+        if entry is None:
+            self._metas[id(rec)] = (rec, [[meta, g0, g1]])
+            return
+        last = entry[1][-1]
+        if type(last) is list and last[0] is meta and last[2] == g0:
+            last[2] = g1
+        else:
+            entry[1].append([meta, g0, g1])
+
     def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep, layer: str) -> None:
         """:meth:`_range_stats` of a derived record, measured every :data:`DERIVED_RANGE_EVERY`
         steps and reused in between (NOTE [ Range statistics ])."""
@@ -1319,7 +1351,8 @@ class Packer:
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ])."""
         g = self._config.group_size
-        for rec, metas in self._metas.values():
+        for rec, kept in self._metas.values():
+            metas = [k if type(k) is torch.Tensor else k[0][k[1]:k[2]] for k in kept]
             m = metas[0] if len(metas) == 1 else torch.cat(metas)
             lo, hi = m[:, 0].double(), m[:, 1].double()
             rng = hi - lo

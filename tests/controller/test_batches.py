@@ -268,3 +268,22 @@ def test_a_batch_norm_input_stored_again_is_never_encoded(monkeypatch: pytest.Mo
     assert not ctl._packer._batches.deferred  # nothing left waiting
     assert _cos([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()]) > 0.99
     ctl.detach()
+
+
+def test_range_statistics_keep_a_layers_batched_records_and_drop_one_stored_again() -> None:
+    """A layer's consecutive batched records make one run of groups; a record stored again
+    leaves it, and the statistics read exactly the other records' group ranges."""
+    packer = _packer()
+    ts = [torch.randn(2, 256, requires_grad=True) * (i + 1) for i in range(3)]
+    records = [packer.pack(t * 1) for t in ts]
+    [(rec, runs)] = packer._metas.values()
+    assert len(runs) == 1 and runs[0][1:] == [0, 6]  # 3 records x 2 groups of 256
+    middle = records[1].data
+    assert isinstance(middle, BatchRecord)
+    packer._drop_meta(rec, middle)  # what a raise to a floor does
+    assert [r[1:] for r in runs] == [[0, 2], [4, 6]]
+    packer.finish_step()
+    kept = torch.cat([ts[0].detach().reshape(2, 256), ts[2].detach().reshape(2, 256)])
+    spans = kept.amax(dim=1).double() - kept.amin(dim=1).double()
+    assert torch.allclose(rec.range_terms[0], spans.dot(spans) * 256)
+    assert float(rec.mins[0]) == float(kept.min()) and float(rec.maxs[0]) == float(kept.max())
