@@ -50,10 +50,11 @@ class LayerStep:
     other_bytes: int = 0
     """Bytes of non-float saved tensors (kept lossless)."""
     tensors: int = 0
-    range_terms: list[torch.Tensor] = field(default_factory=list)
-    mins: list[torch.Tensor] = field(default_factory=list)
-    maxs: list[torch.Tensor] = field(default_factory=list)
-    grad_sq: list[torch.Tensor] = field(default_factory=list)
+    # scalar tensors, or floats where the value was already on the host (NOTE [ One read-back per step ])
+    range_terms: list[torch.Tensor | float] = field(default_factory=list)
+    mins: list[torch.Tensor | float] = field(default_factory=list)
+    maxs: list[torch.Tensor | float] = field(default_factory=list)
+    grad_sq: list[torch.Tensor | float] = field(default_factory=list)
     element_size: int = 4
 
     @property
@@ -145,6 +146,9 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
     for the device once per scalar: ~80 waits per step on a 20-layer CNN, each one draining
     the GPU's queue. Here every layer's four values are reduced on their device and stacked,
     and each device is read back once (one ``tolist``).
+    A CPU value waits for nothing, and a torch reduction over a few scalars costs ~5 µs an
+    op where Python's costs well under one: values on the CPU (or already floats) are read
+    and reduced on the host, ~20 µs a layer less at every step boundary.
     """
     rows: list[list[float]] = [[math.nan] * 4 for _ in steps]
     by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
@@ -154,20 +158,50 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
             (2, step.range_terms, torch.float64, torch.sum), (3, step.grad_sq, torch.float64, torch.sum),
         )
         for column, values, dtype, reduce in parts:
-            if values:
-                value = reduce(_fold(values, dtype)).double()
-                by_device.setdefault(value.device, []).append((i, column, value))
+            if not values:
+                continue
+            host = _on_host(values)
+            if host is not None:
+                rows[i][column] = _reduce_host(host, column)
+                continue
+            value = reduce(_fold(values, dtype)).double()
+            by_device.setdefault(value.device, []).append((i, column, value))
     for entries in by_device.values():
         for (i, column, _), value in zip(entries, torch.stack([e[2] for e in entries]).tolist(), strict=True):
             rows[i][column] = value
     return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
-def _fold(values: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``values`` (scalar tensors) as one tensor of ``dtype``, to reduce in one read."""
-    if len(values) == 1:
-        return values[0].to(dtype)
-    return torch.stack([v.to(dtype) for v in values])
+def _on_host(values: list[torch.Tensor | float]) -> list[float] | None:
+    """``values`` as floats when every one is a float or a CPU tensor, else None."""
+    out = []
+    for v in values:
+        if type(v) is float:
+            out.append(v)
+        elif isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            out.append(float(v))
+        else:
+            return None
+    return out
+
+
+def _reduce_host(values: list[float], column: int) -> float:
+    """The min (column 0), max (1) or sum (2, 3) of ``values``, NaN if one is (as torch's)."""
+    if any(v != v for v in values):
+        return math.nan
+    if column == 0:
+        return min(values)
+    if column == 1:
+        return max(values)
+    return math.fsum(values)
+
+
+def _fold(values: list[torch.Tensor | float], dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (scalar tensors, and floats) as one tensor of ``dtype``, to reduce in one read."""
+    device = next(v.device for v in values if isinstance(v, torch.Tensor))
+    tensors = [v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=dtype, device=device)
+               for v in values]
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:

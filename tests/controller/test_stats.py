@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import memctl
@@ -30,9 +31,26 @@ def test_read_scalars_matches_reading_each_list() -> None:
     for step, (vmin, vmax, range_sum, g2) in zip(steps[:2], rows[:2], strict=True):
         assert vmin == float(torch.stack(step.mins).min())
         assert vmax == float(torch.stack(step.maxs).max())
-        assert range_sum == float(torch.stack(step.range_terms).sum())
-        assert g2 == float(torch.stack([g.double() for g in step.grad_sq]).sum())
+        # sums in another order (on the host: math.fsum) agree to the last bits
+        assert range_sum == pytest.approx(float(torch.stack(step.range_terms).sum()), rel=1e-12)
+        assert g2 == pytest.approx(float(torch.stack([g.double() for g in step.grad_sq]).sum()), rel=1e-12)
     assert all(math.isnan(v) for v in rows[2])
+
+
+def test_read_scalars_takes_floats_and_keeps_torchs_nan() -> None:
+    """Values already on the host (floats) mix with tensors; a NaN anywhere is the answer, as
+    torch's reductions give it, whatever its place."""
+    step = _step(0, 3)
+    expected = read_scalars([step])[0]
+    step.mins[1] = float(step.mins[1])
+    step.range_terms[0] = float(step.range_terms[0])
+    assert read_scalars([step])[0] == pytest.approx(expected, rel=1e-12)
+    for place in range(3):
+        nan = _step(0, 3)
+        nan.maxs[place] = float("nan")
+        nan.range_terms[place] = torch.tensor(float("nan"), dtype=torch.float64)
+        _, vmax, range_sum, _ = read_scalars([nan])[0]
+        assert math.isnan(vmax) and math.isnan(range_sum)
 
 
 def test_update_with_read_scalars_equals_update_alone() -> None:
@@ -65,3 +83,9 @@ def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-
         ctl.detach()
     assert len(calls) == 2 and all(n > 1 for n in calls)
     assert sum(la["max"] is not None for la in ctl.stats()["layers"]) >= 5
+
+
+def test_fold_for_a_device_read_turns_floats_into_tensors_on_the_values_device() -> None:
+    """The device path (a GPU's values, read back once) takes floats beside tensors too."""
+    folded = stats._fold([torch.tensor(1.5), 2.25, torch.tensor(-1.0, dtype=torch.float64)], torch.float64)
+    assert folded.dtype == torch.float64 and folded.tolist() == [1.5, 2.25, -1.0]
