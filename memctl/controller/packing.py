@@ -675,9 +675,8 @@ class Packer:
         return out
 
     def _from_batch(self, data: BatchRecord, codec: Any) -> torch.Tensor:
-        """``data``'s values, sliced from its batch decoded whole (the last batch decoded is held)."""
+        """``data``'s values, sliced from its batch decoded whole (the two batches decoded last are held)."""
         batch = data.batch
-        assert batch is not None
         held = self._decoded
         if held and held[0][0] is batch:
             values = held[0][1]
@@ -855,7 +854,10 @@ class Packer:
             live = any(m.live for m in members)
             try:
                 with torch.no_grad():
-                    flats = [m.source.reshape(-1) for m in members if m.source is not None]
+                    flats = []
+                    for m in members:
+                        assert m.source is not None  # held until this encode: every member, in place
+                        flats.append(m.source.reshape(-1))
                     flat = flats[0] if len(flats) == 1 else torch.cat(flats)
                     if live:
                         nonfinite = codec.encode_into(

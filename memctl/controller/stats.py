@@ -154,15 +154,16 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
     by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
     for i, step in enumerate(steps):
         parts = (
-            (0, step.mins, torch.float32, torch.min), (1, step.maxs, torch.float32, torch.max),
-            (2, step.range_terms, torch.float64, torch.sum), (3, step.grad_sq, torch.float64, torch.sum),
+            (0, step.mins, torch.float32, torch.min, min), (1, step.maxs, torch.float32, torch.max, max),
+            (2, step.range_terms, torch.float64, torch.sum, math.fsum),
+            (3, step.grad_sq, torch.float64, torch.sum, math.fsum),
         )
-        for column, values, dtype, reduce in parts:
+        for column, values, dtype, reduce, reduce_host in parts:
             if not values:
                 continue
             host = _on_host(values)
-            if host is not None:
-                rows[i][column] = _reduce_host(host, column)
+            if host is not None:  # NaN wherever it is, as torch's reductions give it
+                rows[i][column] = math.nan if any(v != v for v in host) else reduce_host(host)
                 continue
             value = reduce(_fold(values, dtype)).double()
             by_device.setdefault(value.device, []).append((i, column, value))
@@ -183,17 +184,6 @@ def _on_host(values: list[torch.Tensor | float]) -> list[float] | None:
         else:
             return None
     return out
-
-
-def _reduce_host(values: list[float], column: int) -> float:
-    """The min (column 0), max (1) or sum (2, 3) of ``values``, NaN if one is (as torch's)."""
-    if any(v != v for v in values):
-        return math.nan
-    if column == 0:
-        return min(values)
-    if column == 1:
-        return max(values)
-    return math.fsum(values)
 
 
 def _fold(values: list[torch.Tensor | float], dtype: torch.dtype) -> torch.Tensor:
