@@ -457,7 +457,7 @@ def main() -> None:
             ratio = r["step_ms"] / plain["step_ms"] if ok and plain is not None else float("nan")
             less = _less(plain if ok else None, r, "held_bytes")
             peak_less = _less(plain if ok else None, r, "peak_bytes")
-            rounds = f" {min(r['rounds']):>8.1f}-{max(r['rounds']):<8.1f}" if spread else ""
+            rounds = f" {min(r['rounds']):>8.2f}-{max(r['rounds']):<8.2f}" if spread else ""
             print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} "
                   f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
                   f"{r['loss']:>8.4f}{rounds}", flush=True)
