@@ -168,7 +168,8 @@ class Controller:
         if self._ranks is not None and self._ranks.world_size < 2:
             self._ranks = None
         self._calibration = Calibration(self.config)
-        self._replayer = Replayer(self.config, self._tracker, self.device)
+        self._replayer = Replayer(self.config, self._tracker, self.device,
+                                  walking=lambda: self._packer.walking)
         self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
         self._capture: Capture | None = None
         self._leaving = False

@@ -271,6 +271,10 @@ class DerivableOutputs:
         self.verified: set[_Key] = set()
         """Ops (and dtype, device type) whose rebuilt ``f`` reproduced ``y`` once: checked no more."""
 
+    def __bool__(self) -> bool:
+        """Whether some output is on offer."""
+        return bool(self._offers)
+
     def clear(self) -> None:
         self._offers.clear()
         self._raw.clear()

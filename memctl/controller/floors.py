@@ -199,7 +199,7 @@ def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Recent:
     source: torch.Tensor
     version: int

@@ -148,6 +148,7 @@ from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, autograd_wording, check_version
+from memctl.controller.walks import QuietWalks
 from memctl.errors import CodecError
 
 __all__ = ["Alias", "Packer", "Saved"]
@@ -307,6 +308,8 @@ class Packer:
         self._granted: dict[int, int] = {}
         self._offered: dict[int, tuple[Any, Expression]] = {}
         """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
+        self._derivations = QuietWalks()
+        """Whether packs look for a record to keep as derived (NOTE [ Walks that find nothing ])."""
         self._recent: list[torch.Tensor] = []
         """The last floating-point tensors recorded, held until two more are (roots of a product
         that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
@@ -364,6 +367,7 @@ class Packer:
         self._derived_index.clear()
         self._floors.walks.begin_forward()
         self._regions.walks.begin_forward()
+        self._derivations.begin_forward()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
             self._root_hints, self._root_hints_next = self._root_hints_next, set()
@@ -374,6 +378,19 @@ class Packer:
             self._step = self._micro.records
             self._seen = {k: v for k, v in self._seen.items() if _alive(v)}
         self._micro.samples += samples
+
+    @property
+    def walking(self) -> tuple[bool, bool, bool]:
+        """Whether the region tracker's and the floor tracker's packs walk in full in this
+        forward, and whether packs look for derived records (NOTE [ Walks that find nothing ]
+        in walks.py)."""
+        return self._regions.walks.walking, self._floors.walks.walking, self._derivations.walking
+
+    @walking.setter
+    def walking(self, walking: tuple[bool, bool, bool]) -> None:
+        """Walk as another packer does: a replay of its step (the same model, the same
+        inputs) walks where training walked; anything found turns the walks on as ever."""
+        self._regions.walks.walking, self._floors.walks.walking, self._derivations.walking = walking
 
     @property
     def graph_alive(self) -> bool:
@@ -419,8 +436,9 @@ class Packer:
             self.passed += 1
             self.fsdp_passed += 1
             return t
-        if t.grad_fn is not None:
-            self._match(t)
+        node = t.grad_fn
+        if node is not None:
+            self._match(t, node)
         ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
         if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
             self.passed += 1
@@ -440,7 +458,7 @@ class Packer:
                     # shape is not offered to the region matcher (its op keeps the values)
                     return Alias(again, shape)
                 if again.layer is not None:
-                    self._regions.note(t, again, again.layer)
+                    self._regions.note(t, again, again.layer, node)
                 return again
         layer = self._tracker.current
         try:
@@ -451,9 +469,9 @@ class Packer:
         saved.source, saved.version, saved.owner = weakref.ref(t), t._version, self._micro
         self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
-            self._regions.note(t, saved, saved.layer)
-            if t.grad_fn is not None and isinstance(saved.data, Packed | Derived):
-                self._producers[(id(t.grad_fn), int(t.output_nr))] = (t.grad_fn, weakref.ref(saved))
+            self._regions.note(t, saved, saved.layer, node)
+            if node is not None and isinstance(saved.data, Packed | Derived):
+                self._producers[(id(node), int(t.output_nr))] = (node, weakref.ref(saved))
                 self._recent.append(t)
                 if len(self._recent) > _RECENT:
                     del self._recent[0]
@@ -576,16 +594,17 @@ class Packer:
         else:
             items = list(output) if isinstance(output, tuple | list) else [output]
         for t in items:
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                self._match(t)
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if node is not None:
+                self._match(t, node)
                 if self._producers and t.is_floating_point():
                     self._offer_expression(t)
                 if self._held_log_probs:
                     self._find_losses(t)
 
-    def _match(self, t: torch.Tensor) -> None:
-        """:meth:`observe` for one tensor that has a ``grad_fn``."""
-        for pending, part in self._regions.matches(t):
+    def _match(self, t: torch.Tensor, node: Any) -> None:
+        """:meth:`observe` for one tensor, whose ``grad_fn`` is ``node`` (not None)."""
+        for pending, part in self._regions.matches(t, node):
             saved = pending.saved()
             if saved is not None:
                 if part is not None:
@@ -631,6 +650,13 @@ class Packer:
         if shared is not None:
             return shared
         start = time.perf_counter()
+        if type(data) is BatchRecord and data.exc is None and not saved.regions:
+            # NOTE [ Batched small records ]: the most common record of a recurrent net, sliced
+            # from its batch in its own shape and dtype (what the checks below would verify)
+            out = self._from_batch(data)
+            self._shared.keep(saved, out)
+            self.timings.observe_decode(time.perf_counter() - start)
+            return out
         fused = None
         if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data)) is not None:
             fused, out = mapped  # NOTE [ Fused channel passes ]: decode and channel map in one pass
@@ -650,7 +676,7 @@ class Packer:
             # NOTE [ ReLU masks ]
             fused = _relu_code(saved) if saved.regions and decodes_mask(codec) else None
             if fused is None and type(data) is BatchRecord and data.exc is None:
-                out = self._from_batch(data, codec)  # NOTE [ Batched small records ]
+                out = self._from_batch(data)  # NOTE [ Batched small records ]
             else:
                 out = codec.decode(data) if fused is None else codec.decode(data, mask=fused.planes[0])
         if out.dtype != saved.dtype or out.shape != saved.shape or out.device != saved.device:
@@ -674,7 +700,7 @@ class Packer:
         self.timings.observe_decode(time.perf_counter() - start)
         return out
 
-    def _from_batch(self, data: BatchRecord, codec: Any) -> torch.Tensor:
+    def _from_batch(self, data: BatchRecord) -> torch.Tensor:
         """``data``'s values, sliced from its batch decoded whole (the two batches decoded last are held)."""
         batch = data.batch
         held = self._decoded
@@ -683,7 +709,7 @@ class Packer:
         elif len(held) > 1 and held[1][0] is batch:
             values = held[1][1]
         else:
-            values = codec.decode(batch.whole())
+            values = self._codec("quantize").decode(batch.whole())
             self._decoded = ((batch, values), *held[:1])
         out = values[data.start:data.start + data.numel].view(data.shape)
         return out if out.dtype is data.dtype else out.to(data.dtype)
@@ -777,13 +803,18 @@ class Packer:
             rec.bit_values += 8 * nbytes
             rec.packed_bytes += nbytes
             return Saved(t.detach().clone(), t, layer=layer)
-        derived = self._derive(t, bits, layer, rec) if part is None else None
-        if derived is None and (part is None or part == RELU):
-            derived = self._derive_normalized(t, bits, layer, rec, part)
-        if derived is None and part is None and self._producers:
-            derived = self._derive_expression(t, bits, layer, rec)
-        if derived is not None:
-            return derived
+        # NOTE [ Walks that find nothing ] in walks.py: the derived records' checks as well,
+        # unless an op's output or a module's expression is on offer in this forward
+        if self._derivations.walking or self._offered or self._regions.outputs:
+            self._derivations.packed()
+            derived = self._derive(t, bits, layer, rec) if part is None else None
+            if derived is None and (part is None or part == RELU):
+                derived = self._derive_normalized(t, bits, layer, rec, part)
+            if derived is None and part is None and self._producers:
+                derived = self._derive_expression(t, bits, layer, rec)
+            if derived is not None:
+                self._derivations.found()
+                return derived
         slot: _Slot = (layer, rec.tensors, numel)
         hint = self._floor_hints.get(slot) if part is None else None
         if hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE:

@@ -409,7 +409,7 @@ class RegionCode:
 _Key = tuple[int, int]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     source: torch.Tensor
     version: int
@@ -435,9 +435,9 @@ class RegionTracker:
         self._pending.clear()
         self.outputs.clear()
 
-    def note(self, t: torch.Tensor, saved: Any, layer: str) -> None:
-        """Remember a packed float tensor as a possible input of a table op."""
-        node = t.grad_fn
+    def note(self, t: torch.Tensor, saved: Any, layer: str, node: Any) -> None:
+        """Remember a packed float tensor (of autograd node ``node``, its ``grad_fn``) as a
+        possible input of a table op."""
         if node is None:
             return
         self.walks.packed()
@@ -458,10 +458,10 @@ class RegionTracker:
             return None
         return hit
 
-    def matches(self, t: torch.Tensor) -> list[tuple[_Pending, Partition | None]]:
-        """Pending inputs whose table op lies within a few steps above ``t``'s ``grad_fn``
-        (with no partition for the smooth ops of :data:`SMOOTH`)."""
-        if not self._pending or t.grad_fn is None:
+    def matches(self, t: torch.Tensor, node: Any) -> list[tuple[_Pending, Partition | None]]:
+        """Pending inputs whose table op lies within a few steps above ``t``'s ``grad_fn``,
+        ``node`` (with no partition for the smooth ops of :data:`SMOOTH`)."""
+        if not self._pending or node is None:
             return []
         found: list[tuple[_Pending, Partition | None]] = []
         if not self.walks.walking:  # NOTE [ Walks that find nothing ]: the tensor's own node only
@@ -469,7 +469,7 @@ class RegionTracker:
             if node is not None:
                 self._visit(node, found)
         else:
-            frontier: list[Any] = [t.grad_fn]
+            frontier: list[Any] = [node]
             seen: set[int] = set()
             # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
             # (and so all of its inputs) cannot have consumed one.

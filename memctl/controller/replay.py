@@ -67,10 +67,14 @@ class Capture:
 class Replayer:
     """Runs replays of one captured step (NOTE [ Replay ])."""
 
-    def __init__(self, config: ControllerConfig, tracker: ModuleTracker, device: torch.device) -> None:
+    def __init__(self, config: ControllerConfig, tracker: ModuleTracker, device: torch.device,
+                 walking: Callable[[], tuple[bool, bool, bool]] | None = None) -> None:
         self._config = config
         self._tracker = tracker
         self._device = device
+        self._walking = walking
+        """Whether training's packs walk in full (:attr:`Packer.walking`): its replays walk as it
+        does (NOTE [ Walks that find nothing ] in walks.py)."""
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
         cuda_rng = None
@@ -108,6 +112,8 @@ class Replayer:
                         lambda layer, exc: None)
         packer.set_parameters(model)
         packer.begin_step(seed)
+        if self._walking is not None:
+            packer.walking = self._walking()
         devices = [self._device.index or 0] if self._device.type == "cuda" else []
         self._tracker.reset()
         self._tracker.model_depth = 1

@@ -339,7 +339,7 @@ def test_eight_bit_weight_gradient_cosine(name: str) -> None:
 
 def _without_regions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packing, "result_partition", lambda node: None)
-    monkeypatch.setattr(RegionTracker, "matches", lambda self, t: [])
+    monkeypatch.setattr(RegionTracker, "matches", lambda self, t, node: [])
 
 
 @pytest.mark.parametrize("name", ["relu6", "leaky_relu", "hardtanh", "clamp", "threshold"])
@@ -525,20 +525,28 @@ def _input_has_region(records: list[tuple[object, torch.Tensor]], x: torch.Tenso
     return bool(saved.regions)
 
 
+def _walk_case(seed: int) -> tuple[packing.Packer, torch.Tensor, torch.Tensor]:
+    """A strict packer with no floors, and the input and weight of ``activation_step``."""
+    from tests.controller.packers import strict_packer
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    w = torch.randn(64, 64, generator=g, requires_grad=True)
+    packer = strict_packer(packing.ControllerConfig(min_numel=0, attention_bits=None,
+                                                    attention_value_bits=None, norm_bits=None))
+    packer.set_parameters(nn.Module())
+    return packer, x, w
+
+
 def test_walks_stop_in_a_model_with_no_table_op_and_find_one_that_appears() -> None:
     """NOTE [ Walks that find nothing ]: after QUIET_FORWARDS forwards with no find the walk
     covers only the tensor's own node (an activation whose output the next layer saves is
     still found at once); one found further up waits for the next full walk, within RECHECK
     forwards, and is found in every forward from then on."""
     from memctl.controller.walks import QUIET_FORWARDS, RECHECK
-    from tests.controller.packers import activation_step, strict_packer
+    from tests.controller.packers import activation_step
 
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
-    w = torch.randn(64, 64, generator=g, requires_grad=True)
-    packer = strict_packer(packing.ControllerConfig(min_numel=0, attention_bits=None,
-                                                    attention_value_bits=None, norm_bits=None))
-    packer.set_parameters(nn.Module())
+    packer, x, w = _walk_case(4)
     for _ in range(QUIET_FORWARDS + 1):
         activation_step(packer, x, w, torch.tanh)
     assert not packer._regions.walks.walking
@@ -551,3 +559,32 @@ def test_walks_stop_in_a_model_with_no_table_op_and_find_one_that_appears() -> N
     found = [_input_has_region(activation_step(packer, x, w, lambda h: F.hardtanh(h) + 1.0), x)
              for _ in range(RECHECK + 2)]
     assert True in found and all(found[found.index(True):]), found
+
+
+def test_derived_record_checks_stop_in_a_model_with_none_and_resume_on_an_offer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Walks that find nothing ]: after QUIET_FORWARDS forwards in which no record was
+    kept as derived, packs stop looking for one (the expression walk is not called), but an
+    op's output on offer (a hardtanh's, matched at the next layer's own node) is still kept as
+    derived in the first forward that has it, and the checks run again from then on."""
+    from memctl.controller.walks import QUIET_FORWARDS
+    from tests.controller.packers import activation_step
+
+    calls = []
+    walk = packing.Packer._derive_expression
+
+    def counting(self: packing.Packer, *args: object) -> object:
+        calls.append(1)
+        return walk(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packing.Packer, "_derive_expression", counting)
+    packer, x, w = _walk_case(5)
+    for _ in range(QUIET_FORWARDS):
+        activation_step(packer, x, w, torch.sigmoid)
+    assert calls and packer._derivations.walking
+    calls.clear()
+    activation_step(packer, x, w, torch.sigmoid)
+    assert not calls and not packer._derivations.walking
+    records = activation_step(packer, x, w, F.hardtanh)
+    kept = [s for s, _ in records if isinstance(s, packing.Saved) and isinstance(s.data, derived.Derived)]
+    assert kept and packer._derivations.walking
