@@ -81,7 +81,7 @@ class BatchRecord(Packed):
     a dictionary and two tensors, for each of the hundreds of small tensors a recurrent net
     saves a step (NOTE [ Pack path cost ] in packing.py)."""
 
-    __slots__ = ("batch", "exc", "layer", "rec", "saved", "source", "start", "version")
+    __slots__ = ("batch", "exc", "layer", "numel", "rec", "saved", "source", "start", "version")
     __setattr__ = object.__setattr__  # its own fields change as the batch is encoded (Packed's do not)
     codec = "quantize"
 
@@ -92,6 +92,7 @@ class BatchRecord(Packed):
         self.batch = batch
         self.start = start
         """Its first value's place in the batch."""
+        object.__setattr__(self, "numel", source.numel())  # (Packed computes it from the shape at every read)
         self.exc: tuple[torch.Tensor, torch.Tensor] | None = None
         """Its non-finite values' places and values, if it has any (set by the encode)."""
         self.source: torch.Tensor | None = source

@@ -322,6 +322,9 @@ class Packer:
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._peeking = False
         """A node's fields are being read in the forward: :meth:`unpack` returns exact records only."""
+        self._matching = False
+        """Whether a pack or a module output may have left something for a later pack to match
+        since the last unpack in a backward cleared it (the trackers, the producers)."""
         self._no_exceptions: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decoded: tuple[tuple[Batch, torch.Tensor], ...] = ()
         """The two batches decoded last, whole, with their values, newest first (NOTE [ Batched
@@ -427,6 +430,7 @@ class Packer:
     # -- hooks -------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Saved | SavedRef | Alias | torch.Tensor:
         """Pack hook (see NOTE [ What is compressed ]; its cost: NOTE [ Pack path cost ])."""
+        self._matching = True
         if t.layout != torch.strided or t.is_meta:
             return t.detach().clone()
         if _current_node() is not None:
@@ -589,6 +593,7 @@ class Packer:
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
+        self._matching = True
         if isinstance(output, dict):
             items = list(output.values())
         else:
@@ -619,7 +624,8 @@ class Packer:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         if self._peeking:  # a node's field read in the forward: exact records only, nothing decoded lossily
             return self._peek(saved)
-        if _current_node() is not None:  # not a node field read while packing
+        if self._matching and _current_node() is not None:  # not a node field read while packing
+            self._matching = False  # (once a backward: nothing is added until the next pack)
             self._regions.clear()  # the forward is over: no pending input can still be matched
             self._floors.clear()
             if self._producers:
