@@ -178,7 +178,7 @@ class Batch:
         start = self.values
         packed = BatchRecord(self, start, t, rec, layer)
         self.members.append(packed)
-        self.values = start + t.numel()
+        self.values = start + packed.numel
         return packed
 
     def whole(self) -> Packed:

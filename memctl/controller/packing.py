@@ -866,7 +866,7 @@ class Packer:
                 self._encode_batches(full)
             p = self._batches.add(t, bits, seed, rec, layer)
         self._batch_range_stats(p, rec)  # (if it raises, the member is never live: the batch skips it)
-        rec.bit_values += bits * t.numel()
+        rec.bit_values += bits * p.numel
         rec.packed_bytes += p.nbytes
         saved = p.saved = Saved(p, t, layer=layer)
         saved.slot = slot
