@@ -42,11 +42,19 @@ runs ``--repeat`` times, interleaved, and the run with the least CPU time is rep
     python benchmarks/overhead.py                       # gru and mlp, 30 measured steps, 3 runs each
     python benchmarks/overhead.py --models gru,mlp,cnn --steps 50
     python benchmarks/overhead.py --profile gru         # cProfile of memctl's steps (one process)
+    python benchmarks/overhead.py --calls gru           # function calls in one step (deterministic)
+
+``--calls MODEL`` counts, with ``sys.setprofile``, the Python function calls and the calls
+into C (builtins, torch's methods) that one steady-state training step makes with memctl
+(``bits=2``, calibration off), after ``--warmup`` steps: the same count on every run and
+every machine, so a change to the hot path can be compared where CPU times cannot resolve
+it. It prints the totals, per saved tensor, and the functions called most.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import datetime
 import gc
@@ -364,7 +372,9 @@ def _report(model: str, runs: dict[str, dict[str, Any]]) -> None:
           f"step boundary without them {pr['step_ms'] - pr['probe_ms']:.3f} ms")
 
 
-def _profile(args: argparse.Namespace) -> None:
+def _training(name: str, **options: Any) -> tuple[Any, Callable[[int], None]]:
+    """One thread, ``name``'s model of ``training.py`` under ``Controller(..., bits=2,
+    **options)``: the controller and a function running that many training steps."""
     _thread_budget()
     import torch
     from torch import nn
@@ -375,9 +385,9 @@ def _profile(args: argparse.Namespace) -> None:
     from memctl import Controller
 
     torch.manual_seed(0)
-    model, batch = build(args.profile)
+    model, batch = build(name)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    Controller(model, optimizer, bits=2)
+    controller = Controller(model, optimizer, bits=2, **options)
     gen = torch.Generator().manual_seed(1)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -388,6 +398,11 @@ def _profile(args: argparse.Namespace) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    return controller, train
+
+
+def _profile(args: argparse.Namespace) -> None:
+    _, train = _training(args.profile)
     train(args.warmup)
     prof = cProfile.Profile(time.thread_time)
     prof.enable()
@@ -395,6 +410,37 @@ def _profile(args: argparse.Namespace) -> None:
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
+
+
+def _calls(args: argparse.Namespace) -> None:
+    """``--calls``: the function calls of one steady-state training step, counted."""
+    controller, train = _training(args.calls, calibration_fraction=0)
+    train(args.warmup)
+    counts: collections.Counter[str] = collections.Counter()
+    python = native = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal python, native
+        if event == "call":
+            python += 1
+            code = frame.f_code
+            counts[f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
+        elif event == "c_call":
+            native += 1
+            counts[f"(C) {getattr(arg, '__qualname__', None) or repr(arg)}"] += 1
+
+    sys.setprofile(count)
+    try:
+        train(1)
+    finally:
+        sys.setprofile(None)
+    saved = counts["hooks.py:_pack_hook"]  # the pack hook's calls: one a saved tensor
+    print(f"{args.calls}: one training step after {args.warmup}: {python} Python function calls, "
+          f"{native} calls into C; {saved} saved tensors: {python / max(saved, 1):.1f} Python calls "
+          f"and {native / max(saved, 1):.1f} calls into C a saved tensor")
+    for name, n in counts.most_common(args.top):
+        print(f"{n:8d}  {name}")
+    controller.detach()
 
 
 def _cpu_name() -> str:
@@ -415,7 +461,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per configuration, the least loaded kept")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", metavar="MODEL", help="cProfile memctl's training steps on MODEL")
-    parser.add_argument("--top", type=int, default=40, help="--profile: functions shown")
+    parser.add_argument("--calls", metavar="MODEL",
+                        help="count the function calls of one training step on MODEL (deterministic)")
+    parser.add_argument("--top", type=int, default=40, help="--profile, --calls: functions shown")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -425,6 +473,9 @@ def main() -> None:
         return
     if args.profile:
         _profile(args)
+        return
+    if args.calls:
+        _calls(args)
         return
     import torch
 

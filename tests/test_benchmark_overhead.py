@@ -29,3 +29,24 @@ def test_overhead_benchmark_prints_the_per_phase_split() -> None:
     split = next((line for line in lines if line.strip().startswith("split (CPU ms per step):")), None)
     assert split is not None, out.stdout
     assert "quantize encode" in split and "region codes in Python" in split and "everything else" in split
+
+
+@pytest.mark.slow
+def test_call_counts_are_the_same_on_every_run() -> None:
+    """``--calls`` is a deterministic figure: two processes count the same calls, and the
+    pack hook's calls are the MLP's 11 saved tensors."""
+    firsts = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, str(_SCRIPT), "--calls", "mlp", "--warmup", "3", "--top", "5"],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith("mlp: one training step after 3: "), out.stdout
+        assert "; 11 saved tensors: " in lines[0], out.stdout
+        python = int(lines[0].split(": ")[2].split(" Python")[0])
+        assert python > 11, out.stdout  # at least the pack and unpack hooks of each tensor
+        assert len(lines) == 6 and all(line.split()[0].isdigit() for line in lines[1:]), out.stdout
+        firsts.append(lines[0])
+    assert firsts[0] == firsts[1]

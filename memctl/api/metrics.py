@@ -65,8 +65,10 @@ _LAYER_GAUGES: tuple[tuple[str, str, str], ...] = (
 _HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("memctl_step_overhead_seconds", "step",
      "memctl's work per training step: the step boundary plus that step's encode and decode."),
-    ("memctl_codec_encode_seconds", "encode", "Time to compress one saved tensor (pack hook)."),
-    ("memctl_codec_decode_seconds", "decode", "Time to decompress one saved tensor (unpack hook)."),
+    ("memctl_codec_encode_seconds", "encode",
+     "Time to compress one saved tensor, or one batch of small ones (pack hook)."),
+    ("memctl_codec_decode_seconds", "decode",
+     "Time to decompress one saved tensor, or one batch of small ones (unpack hook)."),
 )
 # Event kinds counted by their own counters besides memctl_events_total{kind}.
 _ALLOCATION_KINDS = ("allocation", "budget_infeasible")

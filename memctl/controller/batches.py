@@ -42,13 +42,16 @@ in the batch, as it would in one record.
 Backward reads the records in about the reverse order of the forward, so a batch's records
 are read close together: the unpack hook decodes a batch whole on the first read of one of
 its records (without a region code or a non-finite value; those are decoded alone, as any
-record) and slices the others from that tensor, holding the two batches decoded last
+record), splits that tensor into every record's piece in one call (a slice and a view a
+record from Python cost ~a third of the unpack hook) and hands the others their pieces,
+holding the two batches decoded last
 (at most 2 MiB beyond decoding one by one; two, because a recurrent net's backward
 alternates between its layers' batches: with one held, the GRU above decoded 24 batches a
-step instead of 12). On the GRU above: 12 encodes and 12 decodes a step instead of 580 of
-each, the codec kernels 19.4 -> 4.9 ms and memctl's CPU time beyond plain's 66.9 -> 55.1 ms
-a step (``benchmarks/overhead.py``, benchmarks/README.md); the rest of its cost is per
-record in Python, not the codec.
+step instead of 12). The decode timings (``stats()["timings"]["decode"]``) observe a batch's
+decode once, not each of its records' pieces. On the GRU above: 12 encodes and 12 decodes
+a step instead of 580 of each, the codec kernels 19.4 -> 4.9 ms and memctl's CPU time
+beyond plain's 66.9 -> 55.1 ms a step (``benchmarks/overhead.py``, benchmarks/README.md);
+the rest of its cost is per record in Python, not the codec.
 """
 
 from __future__ import annotations
@@ -81,15 +84,18 @@ class BatchRecord(Packed):
     a dictionary and two tensors, for each of the hundreds of small tensors a recurrent net
     saves a step (NOTE [ Pack path cost ] in packing.py)."""
 
-    __slots__ = ("batch", "exc", "layer", "numel", "rec", "saved", "source", "start", "version")
+    __slots__ = ("batch", "exc", "index", "layer", "numel", "rec", "saved", "source", "start", "version")
     __setattr__ = object.__setattr__  # its own fields change as the batch is encoded (Packed's do not)
     codec = "quantize"
 
-    def __init__(self, batch: Batch, start: int, source: torch.Tensor, rec: Any, layer: str) -> None:
+    def __init__(self, batch: Batch, index: int, start: int, source: torch.Tensor, rec: Any,
+                 layer: str) -> None:
         object.__setattr__(self, "shape", tuple(source.shape))  # Packed's fields, set once
         object.__setattr__(self, "dtype", source.dtype)
         object.__setattr__(self, "device", source.device)
         self.batch = batch
+        self.index = index
+        """Its place among the batch's records (its piece of the batch decoded whole)."""
         self.start = start
         """Its first value's place in the batch."""
         object.__setattr__(self, "numel", source.numel())  # (Packed computes it from the shape at every read)
@@ -142,7 +148,7 @@ class Batch:
     """Records of one bits and dtype whose bytes are written by one encode."""
 
     __slots__ = ("bits", "capacity", "dtype", "empty", "group", "members", "meta", "packed_at", "params",
-                 "payload", "values")
+                 "payload", "sizes", "values")
 
     def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int,
                  empty: tuple[torch.Tensor, torch.Tensor], capacity: int = BATCH_VALUES) -> None:
@@ -162,6 +168,8 @@ class Batch:
         self.values = 0
         self.members: list[BatchRecord] = []
         """Its records, until it is encoded."""
+        self.sizes: list[int] = []
+        """Every record's values, in order (the batch decoded whole is split by them)."""
         self.packed_at = 0
         """The packer's pack count when its first record joined (for a deferred record)."""
 
@@ -176,8 +184,9 @@ class Batch:
     def add(self, t: torch.Tensor, rec: Any, layer: str) -> BatchRecord:
         """A record of ``t`` (its bytes written by the encode)."""
         start = self.values
-        packed = BatchRecord(self, start, t, rec, layer)
+        packed = BatchRecord(self, len(self.sizes), start, t, rec, layer)
         self.members.append(packed)
+        self.sizes.append(packed.numel)
         self.values = start + packed.numel
         return packed
 
@@ -212,7 +221,7 @@ class Batches:
 
     def accepts(self, t: torch.Tensor, numel: int) -> bool:
         """Whether ``t`` (a float tensor without a region code, quantised) may join a batch."""
-        return numel < BATCH_BELOW and numel % self.group == 0 and t.device.type == "cpu"
+        return numel < BATCH_BELOW and numel % self.group == 0 and t.is_cpu
 
     def full(self, bits: int, dtype: torch.dtype, numel: int) -> Batch | None:
         """The open batch ``numel`` more values of ``bits`` and ``dtype`` would overflow, if any."""

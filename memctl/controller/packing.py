@@ -129,6 +129,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
@@ -326,7 +327,7 @@ class Packer:
         """Whether a pack or a module output may have left something for a later pack to match
         since the last unpack in a backward cleared it (the trackers, the producers)."""
         self._no_exceptions: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decoded: tuple[tuple[Batch, torch.Tensor], ...] = ()
+        self._decoded: tuple[tuple[Batch, tuple[torch.Tensor, ...]], ...] = ()
         """The two batches decoded last, whole, with their values, newest first (NOTE [ Batched
         small records ])."""
 
@@ -655,14 +656,15 @@ class Packer:
         shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
         if shared is not None:
             return shared
-        start = time.perf_counter()
         if type(data) is BatchRecord and data.exc is None and not saved.regions:
-            # NOTE [ Batched small records ]: the most common record of a recurrent net, sliced
-            # from its batch in its own shape and dtype (what the checks below would verify)
-            out = self._from_batch(data)
-            self._shared.keep(saved, out)
-            self.timings.observe_decode(time.perf_counter() - start)
+            # NOTE [ Batched small records ]: the most common record of a recurrent net, its
+            # piece of its batch in its own shape and dtype (what the checks below would verify);
+            # the decode time observed is the batch's, when it is decoded
+            out = self._from_batch(data, timed=True)
+            if saved.readers > 0:
+                self._shared.keep(saved, out)
             return out
+        start = time.perf_counter()
         fused = None
         if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data)) is not None:
             fused, out = mapped  # NOTE [ Fused channel passes ]: decode and channel map in one pass
@@ -706,18 +708,24 @@ class Packer:
         self.timings.observe_decode(time.perf_counter() - start)
         return out
 
-    def _from_batch(self, data: BatchRecord) -> torch.Tensor:
-        """``data``'s values, sliced from its batch decoded whole (the two batches decoded last are held)."""
+    def _from_batch(self, data: BatchRecord, timed: bool = False) -> torch.Tensor:
+        """``data``'s values, its piece of its batch decoded whole (the two batches decoded last
+        are held, split into their records' pieces by one call); ``timed``: the batch's decode
+        is observed in the decode timings."""
         batch = data.batch
         held = self._decoded
         if held and held[0][0] is batch:
-            values = held[0][1]
+            pieces = held[0][1]
         elif len(held) > 1 and held[1][0] is batch:
-            values = held[1][1]
+            pieces = held[1][1]
         else:
+            start = time.perf_counter()
             values = self._codec("quantize").decode(batch.whole())
-            self._decoded = ((batch, values), *held[:1])
-        out = values[data.start:data.start + data.numel].view(data.shape)
+            pieces = values.split(batch.sizes) if len(batch.sizes) > 1 else (values,)
+            if timed:
+                self.timings.observe_decode(time.perf_counter() - start)
+            self._decoded = ((batch, pieces), *held[:1])
+        out = pieces[data.index].view(data.shape)
         return out if out.dtype is data.dtype else out.to(data.dtype)
 
     def _decode_mapped(self, saved: Saved, data: Derived) -> tuple[RegionCode | None, torch.Tensor] | None:
@@ -834,7 +842,7 @@ class Packer:
         if part is None and self._batching and quantised:
             if self._batches.accepts(t, numel):  # NOTE [ Batched small records ]
                 return self._batched(t, int(bits), seed, layer, rec, slot)
-            if slot in self._root_hints and t.device.type == "cpu":  # NOTE [ Roots known from the last ... ]
+            if slot in self._root_hints and t.is_cpu:  # NOTE [ Roots known from the last ... ]
                 return self._batched(t, int(bits), seed, layer, rec, slot, defer=True)
         try:
             p, region = self._compress(t, bits, error_bound, seed, part)
@@ -865,9 +873,11 @@ class Packer:
             if full is not None:
                 self._encode_batches(full)
             p = self._batches.add(t, bits, seed, rec, layer)
-        self._batch_range_stats(p, rec)  # (if it raises, the member is never live: the batch skips it)
+        batch = p.batch
+        g0, g1 = groups = p.groups
+        self._batch_range_stats(batch.meta, groups, rec)  # (if it raises, the member is never live)
         rec.bit_values += bits * p.numel
-        rec.packed_bytes += p.nbytes
+        rec.packed_bytes += (g1 - g0) * (batch.group * bits // 8 + 8)  # p.nbytes (no exceptions yet)
         saved = p.saved = Saved(p, t, layer=layer)
         saved.slot = slot
         return saved
@@ -891,11 +901,11 @@ class Packer:
             live = any(m.live for m in members)
             try:
                 with torch.no_grad():
-                    flats = []
-                    for m in members:
-                        assert m.source is not None  # held until this encode: every member, in place
-                        flats.append(m.source.reshape(-1))
-                    flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+                    # every member holds its tensor until this encode; one call flattens and
+                    # concatenates them in C++ (a reshape a member from Python cost more than
+                    # the encode of their values: NOTE [ Pack path cost ])
+                    sources = [m.source for m in members if m.source is not None]
+                    flat = sources[0].reshape(-1) if len(sources) == 1 else _flatten_dense_tensors(sources)
                     if live:
                         nonfinite = codec.encode_into(
                             flat, b.payload[:ngroups * b.group * b.bits // 8], b.meta[:ngroups], bits=b.bits,
@@ -1359,11 +1369,11 @@ class Packer:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
         _RangeTerms.of(t.numel(), lo, hi, g).add_to(rec)
 
-    def _batch_range_stats(self, p: BatchRecord, rec: LayerStep) -> None:
-        """:meth:`_range_stats` of a batched record: its groups of the batch's metadata, written
+    def _batch_range_stats(self, meta: torch.Tensor, groups: tuple[int, int], rec: LayerStep) -> None:
+        """:meth:`_range_stats` of a batched record: its ``groups`` of its batch's ``meta``, written
         by the batch's encode before the step boundary reads them; consecutive records of a layer
         in one batch make one run of groups (NOTE [ Range statistics ])."""
-        meta, (g0, g1) = p.batch.meta, p.groups
+        g0, g1 = groups
         entry = self._metas.get(id(rec))
         if entry is None:
             self._metas[id(rec)] = (rec, [[meta, g0, g1]])
@@ -1393,25 +1403,55 @@ class Packer:
         term.add_to(rec)
 
     def _fold_ranges(self) -> None:
-        """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ])."""
+        """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ]).
+
+        The layers on the host are reduced together: their runs of groups in one array, each
+        layer's sum of squared ranges, minimum and maximum by ``reduceat`` (a few NumPy calls a
+        step however many layers and runs; NumPy's reductions cost a µs, torch's ~5)."""
         g = self._config.group_size
+        host: list[np.ndarray] = []
+        starts: list[int] = []
+        recs: list[LayerStep] = []
+        rows = 0
+        views: dict[int, np.ndarray] = {}
         for rec, kept in self._metas.values():
-            metas = [k if type(k) is torch.Tensor else k[0][k[1]:k[2]] for k in kept]
-            m = metas[0] if len(metas) == 1 else torch.cat(metas)
-            if m.device.type == "cpu":  # on the host: NumPy's reductions cost a µs, torch's ~5
-                a = m.numpy().astype(np.float64)
-                lo_h, hi_h = a[:, 0], a[:, 1]
-                span = hi_h - lo_h
-                rec.range_terms.append(float(span @ span) * g)
-                rec.mins.append(float(lo_h.min()))
-                rec.maxs.append(float(hi_h.max()))
+            first = kept[0]
+            if not (first if type(first) is torch.Tensor else first[0]).is_cpu:
+                metas = [k if type(k) is torch.Tensor else k[0][k[1]:k[2]] for k in kept]
+                m = metas[0] if len(metas) == 1 else torch.cat(metas)
+                lo, hi = m[:, 0].double(), m[:, 1].double()
+                rng = hi - lo
+                rec.range_terms.append(rng.dot(rng) * g)
+                rec.mins.append(lo.min())
+                rec.maxs.append(hi.max())
                 continue
-            lo, hi = m[:, 0].double(), m[:, 1].double()
-            rng = hi - lo
-            rec.range_terms.append(rng.dot(rng) * g)
-            rec.mins.append(lo.min())
-            rec.maxs.append(hi.max())
+            begin = rows
+            for k in kept:
+                if type(k) is torch.Tensor:
+                    a = k.numpy()
+                else:  # a run of a batch's groups: one NumPy view of each batch's metadata
+                    whole = views.get(id(k[0]))
+                    if whole is None:
+                        whole = views[id(k[0])] = k[0].numpy()
+                    a = whole[k[1]:k[2]]
+                host.append(a)
+                rows += a.shape[0]
+            if rows > begin:
+                starts.append(begin)
+                recs.append(rec)
         self._metas.clear()
+        if not recs:
+            return
+        a = np.concatenate(host).astype(np.float64)
+        lo_h, hi_h = a[:, 0], a[:, 1]
+        span = hi_h - lo_h
+        terms = np.add.reduceat(span * span, starts) * g
+        mins = np.minimum.reduceat(lo_h, starts)
+        maxs = np.maximum.reduceat(hi_h, starts)
+        for rec, term, lo, hi in zip(recs, terms.tolist(), mins.tolist(), maxs.tolist(), strict=True):
+            rec.range_terms.append(term)
+            rec.mins.append(lo)
+            rec.maxs.append(hi)
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
@@ -1471,7 +1511,7 @@ def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tenso
     values are masked out first (three passes more).
     """
     numel = flat.numel()
-    if flat.device.type == "cpu" and numel and numel % g == 0:
+    if flat.is_cpu and numel and numel % g == 0:
         groups = flat.view(-1, g)
         # two reductions: aminmax(dim=1) took 5.3 ms on 2.4M values at one thread, amin and amax 0.3
         lo, hi = groups.amin(dim=1), groups.amax(dim=1)

@@ -6,6 +6,8 @@ Three histograms, kept for the life of a controller and exported by ``/metrics``
 - ``encode``: seconds per compressed tensor in the pack hook (the codec's encode, plus the
   ReLU mask when there is one);
 - ``decode``: seconds per compressed tensor in the unpack hook (decode, mask re-applied);
+  small records encoded and decoded in batches (NOTE [ Batched small records ] in
+  batches.py) count one observation per batch in each histogram, not one per record;
 - ``step``: seconds of memctl work per training step: the step boundary (statistics,
   allocation, batch size, publishing) plus that step's encode and decode time.
 
