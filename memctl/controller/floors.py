@@ -241,13 +241,15 @@ class FloorTracker:
     def clear(self) -> None:
         self._recent.clear()
 
-    def result_floor(self, t: torch.Tensor) -> int | None:
-        """The floor of a tensor its own ``grad_fn`` saves as its result (else None)."""
-        node = t.grad_fn
+    def result_floor(self, node: Any) -> int | None:
+        """The floor of a tensor its own ``grad_fn``, ``node``, saves as its result (else None)."""
         if node is None or not self._floors:
             return None
         self.walks.packed()
-        op = _OPS.get(type(node).__name__)
+        name = type(node).__name__
+        op = _OPS.get(name)
+        if op is None and name not in _VIEWS and name != "MulBackward0":
+            return None  # what _output_floor finds for any other op's output (the common case)
         if op is None or not op.result:
             floor = self._output_floor(node)
         else:

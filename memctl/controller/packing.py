@@ -190,7 +190,7 @@ class _HeldLogProbs:
     rows: torch.Tensor | None = None
     """The rows the last of them does not ignore (None: all)."""
 
-_DedupKey = tuple[int, Any, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
+_DedupKey = tuple[int, Any, int | tuple[int, ...], tuple[int, ...] | None, torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
 
 
@@ -451,8 +451,8 @@ class Packer:
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
         shape = tuple(t.shape)
         flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place
-        key: _DedupKey = (ptr, t.storage_offset(), (t.numel(),) if flat else shape,
-                          (1,) if flat else t.stride(), t.dtype, t.device, t._version)
+        key: _DedupKey = (ptr, t.storage_offset(), t.numel() if flat else shape,
+                          None if flat else t.stride(), t.dtype, t.device, t._version)
         hit = self._seen.get(key)
         if hit is not None:
             again = hit()
@@ -725,7 +725,7 @@ class Packer:
             if timed:
                 self.timings.observe_decode(time.perf_counter() - start)
             self._decoded = ((batch, pieces), *held[:1])
-        out = pieces[data.index].view(data.shape)
+        out = pieces[data.index].view(*data.shape)  # (ints parse faster than a tuple; never 0-d)
         return out if out.dtype is data.dtype else out.to(data.dtype)
 
     def _decode_mapped(self, saved: Saved, data: Derived) -> tuple[RegionCode | None, torch.Tensor] | None:
@@ -809,7 +809,7 @@ class Packer:
         mask_nbytes = part.nbytes(numel) if part is not None else 0
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
-        floor = self._floors.result_floor(t) if part is None else None
+        floor = self._floors.result_floor(node) if part is None else None
         if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
             rec.numels.pop()
             return self._at_floor(t, floor, layer, rec)  # NOTE [ Bit floors ]
