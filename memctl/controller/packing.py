@@ -441,13 +441,16 @@ class Packer:
             self.passed += 1
             self.fsdp_passed += 1
             return t
+        ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
+        if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
+            # a parameter, a view of one, or a model input: no op above it consumed an input
+            # the region tracker waits for (and its grad_fn, not read, gets no Python object
+            # for the collector to track all step)
+            self.passed += 1
+            return SavedRef(t)  # NOTE [ In-place checks ]
         node = t.grad_fn
         if node is not None:
             self._match(t, node)
-        ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
-        if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
-            self.passed += 1
-            return SavedRef(t)  # NOTE [ In-place checks ]
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
         shape = tuple(t.shape)
         flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place
