@@ -159,20 +159,22 @@ def _first_beyond(node: Any, skip: frozenset[str], limit: int = 6) -> Any:
 
 
 _CASTS = _VIEWS | {"ToCopyBackward0"}
+_RMS_PRODUCT = "MulBackward0"
+"""The node of an explicit RMSNorm's product (:func:`_is_rms_norm` looks no further for any other)."""
 
 
 def _is_rms_norm(node: Any) -> bool:
     """Whether ``node`` is an explicit RMSNorm's product (Hugging Face's ``LlamaRMSNorm``:
     ``weight * (x * rsqrt(mean(x²) + eps))``): a multiplication by an ``rsqrt``, or of
     such a product by a gain."""
-    if type(node).__name__ != "MulBackward0":
+    if type(node).__name__ != _RMS_PRODUCT:
         return False
     for nxt, _ in node.next_functions:
         below = _first_beyond(nxt, _CASTS)
         name = type(below).__name__ if below is not None else ""
         if name == "RsqrtBackward0":
             return True
-        if name == "MulBackward0" and any(
+        if name == _RMS_PRODUCT and any(
             type(_first_beyond(n, _CASTS)).__name__ == "RsqrtBackward0" for n, _ in below.next_functions
         ):
             return True
@@ -248,7 +250,7 @@ class FloorTracker:
         self.walks.packed()
         name = type(node).__name__
         op = _OPS.get(name)
-        if op is None and name not in _VIEWS and name != "MulBackward0":
+        if op is None and name not in _VIEWS and name != _RMS_PRODUCT:
             return None  # what _output_floor finds for any other op's output (the common case)
         if op is None or not op.result:
             floor = self._output_floor(node)
@@ -312,7 +314,7 @@ class FloorTracker:
                 continue
             name = type(node).__name__
             op = _OPS.get(name)
-            rms = op is None and name == "MulBackward0" and _is_rms_norm(node)
+            rms = op is None and name == _RMS_PRODUCT and _is_rms_norm(node)
             edges = node.next_functions
             if op is not None and op.inputs:
                 kinds = [op.input_kind(i) for i in range(len(edges))]

@@ -724,7 +724,7 @@ class Packer:
         else:
             start = time.perf_counter()
             values = self._codec("quantize").decode(batch.whole())
-            pieces = values.split(batch.sizes) if len(batch.sizes) > 1 else (values,)
+            pieces = values.split(batch.sizes)
             if timed:
                 self.timings.observe_decode(time.perf_counter() - start)
             self._decoded = ((batch, pieces), *held[:1])
@@ -876,11 +876,9 @@ class Packer:
             if full is not None:
                 self._encode_batches(full)
             p = self._batches.add(t, bits, seed, rec, layer)
-        batch = p.batch
-        g0, g1 = groups = p.groups
-        self._batch_range_stats(batch.meta, groups, rec)  # (if it raises, the member is never live)
+        self._batch_range_stats(p, rec)  # (if it raises, the member is never live: the batch skips it)
         rec.bit_values += bits * p.numel
-        rec.packed_bytes += (g1 - g0) * (batch.group * bits // 8 + 8)  # p.nbytes (no exceptions yet)
+        rec.packed_bytes += p.nbytes
         saved = p.saved = Saved(p, t, layer=layer)
         saved.slot = slot
         return saved
@@ -904,11 +902,13 @@ class Packer:
             live = any(m.live for m in members)
             try:
                 with torch.no_grad():
-                    # every member holds its tensor until this encode; one call flattens and
-                    # concatenates them in C++ (a reshape a member from Python cost more than
-                    # the encode of their values: NOTE [ Pack path cost ])
-                    sources = [m.source for m in members if m.source is not None]
-                    flat = sources[0].reshape(-1) if len(sources) == 1 else _flatten_dense_tensors(sources)
+                    sources = []
+                    for m in members:
+                        assert m.source is not None  # held until this encode: every member, in place
+                        sources.append(m.source)
+                    # one call flattens and concatenates them in C++ (a reshape a member from
+                    # Python cost more than the encode of their values: NOTE [ Pack path cost ])
+                    flat = _flatten_dense_tensors(sources)
                     if live:
                         nonfinite = codec.encode_into(
                             flat, b.payload[:ngroups * b.group * b.bits // 8], b.meta[:ngroups], bits=b.bits,
@@ -1372,11 +1372,11 @@ class Packer:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
         _RangeTerms.of(t.numel(), lo, hi, g).add_to(rec)
 
-    def _batch_range_stats(self, meta: torch.Tensor, groups: tuple[int, int], rec: LayerStep) -> None:
-        """:meth:`_range_stats` of a batched record: its ``groups`` of its batch's ``meta``, written
+    def _batch_range_stats(self, p: BatchRecord, rec: LayerStep) -> None:
+        """:meth:`_range_stats` of a batched record: its groups of the batch's metadata, written
         by the batch's encode before the step boundary reads them; consecutive records of a layer
         in one batch make one run of groups (NOTE [ Range statistics ])."""
-        g0, g1 = groups
+        meta, (g0, g1) = p.batch.meta, p.groups
         entry = self._metas.get(id(rec))
         if entry is None:
             self._metas[id(rec)] = (rec, [[meta, g0, g1]])
