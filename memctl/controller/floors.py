@@ -79,14 +79,17 @@ quantisation group of them spans 256 rows whose scales can differ by orders of
 magnitude. On a 3-block LayerNorm MLP over 16 x 512 tokens at 2 bits (rows scaled
 0.2-5), the first norm's weight gradient came back with a relative error of 0.26 (0.16
 for the last); with the statistics exact, 0.07 and 0.06, the biases' errors halved too,
-for 1/D more bytes than the norm's input at 32 bits (2.4% of the ratio at width 64, 9.98x
-to 9.74x). So the floats without a gradient that a LayerNorm (or the fused RMSNorm) saves
+for two exact floats per row (2/D of the input's raw bytes; 2.4% of the ratio at width 64,
+9.98x to 9.74x). So the floats without a gradient that a LayerNorm (or the fused RMSNorm) saves
 after its input are kept exact, as the attention's logsumexp is, found the same way when
 the norm's node shows up; so is the ``rsqrt`` an explicit RMSNorm multiplies by. This
 holds whatever ``norm_bits`` is (it is not a floor: ``norm_bits=None`` still keeps them),
-while some floor is set (the walks run only then). A norm whose input was not compressed
-(a model input, a layer kept exact) leaves nothing to anchor them by, and they keep the
-layer's bits.
+while some floor is set (the walks run only then). GroupNorm's mean and inverse standard
+deviation (one per sample and group; outputs of its node, which has no floor) are kept
+exact the same way: a diffusion model's batch of 256 with 32 groups has 8192 of them;
+they are known by their node alone. A LayerNorm whose input was not compressed (a model
+input, a layer kept exact) leaves nothing to anchor its statistics by (they have no
+node), and they keep the layer's bits.
 """
 
 from __future__ import annotations
@@ -150,6 +153,8 @@ _OPS: dict[str, _Op] = {
     # their mean and inverse standard deviation (per row, no gradient) are kept exact
     "NativeLayerNormBackward0": _Op(NORM, result=False, inputs=True, output=True, exact_extras=True),
     "FusedRmsNormBackward0": _Op(NORM, result=False, inputs=True, output=True, exact_extras=True),
+    # no floor, only its per-(sample, group) statistics exact (NOTE [ Norm statistics ])
+    "NativeGroupNormBackward0": _Op("statistics", result=False, inputs=True, exact_extras=True),
 }
 
 # Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input).
@@ -386,10 +391,15 @@ class FloorTracker:
         keys = {(id(n), int(nr)): (n, i) for i, (n, nr) in enumerate(node.next_functions) if n is not None}
         hits = [r for r in self._recent.values()
                 if r.key is not None and r.key in keys and keys[r.key][0] is r.node]
-        if not hits:
+        # the op's own later outputs (GroupNorm's statistics; known by their node alone), and
+        # the floats without a gradient recorded after its first input (LayerNorm's)
+        own = [r for r in self._recent.values()
+               if extras_exact and r.node is node and r.key is not None and r.key[1] > 0]
+        if not hits and not own:
             return []
-        first = min(r.order for r in hits)
-        extras = [r for r in self._recent.values() if extras_exact and r.node is None and r.order > first]
+        first = min(r.order for r in hits) if hits else None
+        extras = own + [r for r in self._recent.values()
+                        if extras_exact and first is not None and r.node is None and r.order > first]
         out: list[Raise] = []
         pairs = [(r, kinds[keys[r.key][1]]) for r in hits if r.key is not None]
         for r, kind in pairs + [(r, None) for r in extras]:

@@ -446,3 +446,17 @@ def test_norm_statistics_exact_bring_the_norm_weight_gradient_close() -> None:
         ctl.detach()
     # 0.008 with the statistics exact; quantised (the code before) 0.026-0.034
     assert max(errors) < 0.015, errors
+
+
+def test_group_norm_statistics_are_exact_and_its_tensors_keep_the_layer_bits() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 4, 4, generator=g, requires_grad=True)
+    packer = _packer()
+    packer.set_parameters(nn.Module())
+    pack, records = _recording(packer)
+    with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
+        F.silu(F.group_norm(x * 2.0, 4))
+    stats = [s for s, t in records if tuple(t.shape) == (8, 4)]
+    values = [s for s, t in records if tuple(t.shape) == (8, 16, 4, 4)]
+    assert len(stats) == 2 and {_stored_bits(s) for s in stats} == {None}
+    assert values and {_stored_bits(s) for s in values} == {2}  # no floor: the layer's bits
