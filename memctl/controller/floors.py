@@ -116,6 +116,8 @@ ATTENTION = "attention"
 VALUES = "attention_values"
 """Value and output: what an attention's backward reads linearly."""
 NORM = "norm"
+STATISTICS = "statistics"
+"""A norm's statistics only: no floor for its tensors (NOTE [ Norm statistics ])."""
 
 
 
@@ -154,7 +156,7 @@ _OPS: dict[str, _Op] = {
     "NativeLayerNormBackward0": _Op(NORM, result=False, inputs=True, output=True, exact_extras=True),
     "FusedRmsNormBackward0": _Op(NORM, result=False, inputs=True, output=True, exact_extras=True),
     # no floor, only its per-(sample, group) statistics exact (NOTE [ Norm statistics ])
-    "NativeGroupNormBackward0": _Op("statistics", result=False, inputs=True, exact_extras=True),
+    "NativeGroupNormBackward0": _Op(STATISTICS, result=False, inputs=True, exact_extras=True),
 }
 
 # Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input).
@@ -198,13 +200,10 @@ def _is_rms_norm(node: Any) -> bool:
     if type(node).__name__ != _RMS_PRODUCT:
         return False
     for nxt, _ in node.next_functions:
-        below = _first_beyond(nxt, _CASTS)
-        name = type(below).__name__ if below is not None else ""
-        if name == "RsqrtBackward0":
+        if _is_rsqrt(nxt):
             return True
-        if name == _RMS_PRODUCT and any(
-            type(_first_beyond(n, _CASTS)).__name__ == "RsqrtBackward0" for n, _ in below.next_functions
-        ):
+        below = _first_beyond(nxt, _CASTS)
+        if type(below).__name__ == _RMS_PRODUCT and any(_is_rsqrt(n) for n, _ in below.next_functions):
             return True
     return False
 
@@ -386,20 +385,22 @@ class FloorTracker:
     def _inputs_of(self, node: Any, kinds: Sequence[str | None], extras_exact: bool) -> list[Raise]:
         """The recent records among ``node``'s inputs, each to be stored again at the floor of
         its kind (``kinds``, by input place; None: exact); one whose kind has no floor is only
-        let go. With ``extras_exact``, also the floats without a gradient recorded after the
-        first of them (the op's own non-differentiable outputs), exact."""
+        let go. With ``extras_exact``, also exact: the op's own later outputs (known by its node)
+        and the floats without a gradient recorded after the first of its inputs (its
+        non-differentiable outputs)."""
         keys = {(id(n), int(nr)): (n, i) for i, (n, nr) in enumerate(node.next_functions) if n is not None}
         hits = [r for r in self._recent.values()
                 if r.key is not None and r.key in keys and keys[r.key][0] is r.node]
         # the op's own later outputs (GroupNorm's statistics; known by their node alone), and
         # the floats without a gradient recorded after its first input (LayerNorm's)
-        own = [r for r in self._recent.values()
-               if extras_exact and r.node is node and r.key is not None and r.key[1] > 0]
-        if not hits and not own:
+        extras: list[_Recent] = []
+        if extras_exact:
+            first = min((r.order for r in hits), default=None)
+            extras = [r for r in self._recent.values()
+                      if (r.node is node and r.key is not None and r.key[1] > 0)
+                      or (first is not None and r.node is None and r.order > first)]
+        if not hits and not extras:
             return []
-        first = min(r.order for r in hits) if hits else None
-        extras = own + [r for r in self._recent.values()
-                        if extras_exact and first is not None and r.node is None and r.order > first]
         out: list[Raise] = []
         pairs = [(r, kinds[keys[r.key][1]]) for r in hits if r.key is not None]
         for r, kind in pairs + [(r, None) for r in extras]:
