@@ -49,7 +49,8 @@ saved a tensor ] (regions.py) recognises piecewise activations. An op that saves
 result (the attention's output, softmax) is known when that result is packed, because
 its ``grad_fn`` is the op's node; an op's output that the next op saves (LayerNorm's, the
 probabilities as a matmul operand) is known from its ``grad_fn`` through view-like nodes
-(:data:`_VIEWS`); an explicit RMSNorm (Hugging Face's ``LlamaRMSNorm``, no node of
+(:data:`_VIEWS`) and casts (a bfloat16 model's ``F.rms_norm`` on a CPU computes in float32
+and casts its output back); an explicit RMSNorm (Hugging Face's ``LlamaRMSNorm``, no node of
 its own) is recognised by its multiplication by an ``rsqrt``. Both get the floor at once.
 Inputs (query, key, value, the matmul operands, LayerNorm's input) are packed before the
 node that saves them exists: the :data:`RECENT` most recent compressed records keep their
@@ -104,7 +105,7 @@ import torch
 
 from memctl.controller.walks import QuietWalks
 
-__all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "FloorTracker", "Raise"]
+__all__ = ["ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "FloorTracker", "Raise", "is_rsqrt"]
 
 RECENT = 6
 """Compressed records that wait for the op that saved them (query, key, value, logsumexp, ...)."""
@@ -200,15 +201,15 @@ def _is_rms_norm(node: Any) -> bool:
     if type(node).__name__ != _RMS_PRODUCT:
         return False
     for nxt, _ in node.next_functions:
-        if _is_rsqrt(nxt):
+        if is_rsqrt(nxt):
             return True
         below = _first_beyond(nxt, _CASTS)
-        if type(below).__name__ == _RMS_PRODUCT and any(_is_rsqrt(n) for n, _ in below.next_functions):
+        if type(below).__name__ == _RMS_PRODUCT and any(is_rsqrt(n) for n, _ in below.next_functions):
             return True
     return False
 
 
-def _is_rsqrt(node: Any) -> bool:
+def is_rsqrt(node: Any) -> bool:
     """Whether ``node`` is (a cast or view of) an ``rsqrt``: an explicit RMSNorm's statistic."""
     below = _first_beyond(node, _CASTS)
     return below is not None and type(below).__name__ == "RsqrtBackward0"
@@ -254,6 +255,10 @@ class Raise:
     source: torch.Tensor
     layer: str
     bits: int | None
+    op: Any = None
+    """The table op whose input it is (None: one of its outputs without a gradient)."""
+    kind: str | None = None
+    """The floor's kind (None: exact)."""
 
 
 class FloorTracker:
@@ -283,7 +288,7 @@ class FloorTracker:
         self.walks.packed()
         name = type(node).__name__
         op = _OPS.get(name)
-        if op is None and name not in _VIEWS and name != _RMS_PRODUCT:
+        if op is None and name not in _CASTS and name != _RMS_PRODUCT:
             return None  # what _output_floor finds for any other op's output (the common case)
         if op is None or not op.result:
             floor = self._output_floor(node)
@@ -294,10 +299,10 @@ class FloorTracker:
         return floor
 
     def _output_floor(self, node: Any) -> int | None:
-        """The floor of a tensor that is (a view of) the output of a table op with ``output``."""
+        """The floor of a tensor that is (a view or a cast of) the output of a table op with ``output``."""
         for _ in range(_WALK_DEPTH + 2):
             name = type(node).__name__
-            if name not in _VIEWS:
+            if name not in _CASTS:
                 op = _OPS.get(name)
                 if op is None and _is_rms_norm(node):
                     return self._floors.get(NORM)
@@ -356,7 +361,7 @@ class FloorTracker:
                 extras = op.exact_extras and (op.kind != ATTENTION or ATTENTION in self._floors)
                 found += self._inputs_of(node, kinds, extras)
             elif rms:  # the input at the norm's floor, the rsqrt exact (NOTE [ Norm statistics ])
-                found += self._inputs_of(node, [None if _is_rsqrt(e) else NORM for e, _ in edges], False)
+                found += self._inputs_of(node, [None if is_rsqrt(e) else NORM for e, _ in edges], False)
             elif self._attention:
                 matmul = _attention_matmul(node)
                 if matmul is not None:
@@ -410,5 +415,5 @@ class FloorTracker:
                 continue  # no floor for this kind: the record keeps its layer's bits
             saved = r.saved()
             if saved is not None and r.source._version == r.version:
-                out.append(Raise(saved, r.source, r.layer, bits))
+                out.append(Raise(saved, r.source, r.layer, bits, node if kind is not None else None, kind))
         return out

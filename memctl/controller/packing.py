@@ -143,6 +143,7 @@ from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
+from memctl.controller.norm_outputs import NormInputs
 from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
@@ -279,6 +280,7 @@ class Packer:
         self._regions = RegionTracker()
         self._floors = FloorTracker({ATTENTION: config.attention_bits, VALUES: config.attention_value_bits,
                                      NORM: config.norm_bits})
+        self._norms = NormInputs()  # NOTE [ Norm outputs recomputed from the input ]
         self.inputs = ModelInputs()
         """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self._counter = 0
@@ -323,6 +325,8 @@ class Packer:
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._peeking = False
         """A node's fields are being read in the forward: :meth:`unpack` returns exact records only."""
+        self._peek_exact = False
+        """Those fields may come from any exact record, a layer's too (NOTE [ Norm outputs ... ])."""
         self._matching = False
         """Whether a pack or a module output may have left something for a later pack to match
         since the last unpack in a backward cleared it (the trackers, the producers)."""
@@ -358,6 +362,7 @@ class Packer:
         self._counter = 0
         self._regions.clear()
         self._floors.clear()
+        self._norms.clear()
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
@@ -415,6 +420,7 @@ class Packer:
         self._seen.clear()
         self._regions.clear()
         self._floors.clear()
+        self._norms.clear()
         self._begun = None
         self._steps += 1
         self._derived_index.clear()
@@ -469,6 +475,11 @@ class Packer:
                     self._regions.note(t, again, again.layer, node)
                 return again
         layer = self._tracker.current
+        if self._floors.active:  # NOTE [ Bit floors ]: before t's record (read from a norm's input?)
+            for found in self._floors.matches(t):
+                self._raise_to_floor(found)
+                if found.kind == NORM:  # NOTE [ Norm outputs recomputed from the input ]
+                    self._norms.note(found.op, found.saved, found.source)
         try:
             saved = self._pack_new(t, layer)
         except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
@@ -483,11 +494,11 @@ class Packer:
                 self._recent.append(t)
                 if len(self._recent) > _RECENT:
                     del self._recent[0]
-        if self._floors.active:  # NOTE [ Bit floors ]
-            for found in self._floors.matches(t):
-                self._raise_to_floor(found)
-            if saved.layer is not None and isinstance(saved.data, Packed) and saved.data.codec == "quantize":
-                self._floors.note(t, saved, saved.layer)
+        # (active again if t's own floor was found: NOTE [ Walks that find nothing ] in walks.py)
+        data = saved.data
+        quantised = isinstance(data, Packed) and data.codec == "quantize"
+        if quantised and saved.layer is not None and self._floors.active:
+            self._floors.note(t, saved, saved.layer)
         return saved
 
     def end_forward(self) -> None:
@@ -500,6 +511,7 @@ class Packer:
             self._raise_unread(saved, source)
         self._regions.clear()
         self._floors.clear()
+        self._norms.clear()
         self.inputs.clear()
         self._forget_producers()
 
@@ -522,8 +534,8 @@ class Packer:
             return saved.unpack()
         if isinstance(saved, Saved):
             data = saved.data
-            if isinstance(data, torch.Tensor) and saved.layer is None:
-                return data
+            if isinstance(data, torch.Tensor) and (saved.layer is None or self._peek_exact):
+                return data  # (a layer's exact record: read only where the reader keeps the tensor)
             if isinstance(data, Packed) and data.codec == "lossless" and not saved.dtype.is_floating_point:
                 out: torch.Tensor = self._codec("lossless").decode(data)
                 return out
@@ -632,6 +644,7 @@ class Packer:
             self._matching = False  # (once a backward: nothing is added until the next pack)
             self._regions.clear()  # the forward is over: no pending input can still be matched
             self._floors.clear()
+            self._norms.clear()
             if self._producers:
                 self._forget_producers()
         if isinstance(saved, torch.Tensor):
@@ -815,6 +828,10 @@ class Packer:
         floor = self._floors.result_floor(node) if part is None else None
         if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
             rec.numels.pop()
+            if self._norms:  # NOTE [ Norm outputs recomputed from the input ]
+                derived = self._derive_norm(t, floor, layer)
+                if derived is not None:
+                    return derived
             return self._at_floor(t, floor, layer, rec)  # NOTE [ Bit floors ]
         if bits >= KEEP_BITS:
             rec.bit_values += 8 * nbytes
@@ -1277,6 +1294,42 @@ class Packer:
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
         return Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
+
+    def _derive_norm(self, t: torch.Tensor, floor: int, layer: str) -> Saved | None:
+        """``t``, a norm's output at the norm's floor, recomputed from the norm's input record
+        (NOTE [ Norm outputs recomputed from the input ] in norm_outputs.py); None: ``t`` keeps its own."""
+        found = self._norms.find(t)
+        if found is None:
+            return None
+        chain, root, x = found
+        data = root.data
+        if not (isinstance(data, Packed) and data.codec == "quantize" and int(data.params["bits"]) >= floor):
+            return None
+        try:
+            self._peek_exact = True
+            with self._reading_fields():
+                built = chain.function(getattr, t.shape, t.dtype)
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # a field stored lossily, or missing
+            return None  # t keeps its own record
+        finally:
+            self._peek_exact = False
+        if built is None:
+            return None
+        fn, name = built
+        key = (name, t.dtype, t.device.type)
+        if key in self._norms.rejected:
+            return None
+        if key not in self._norms.verified:
+            try:
+                ok = verified(fn, x.detach(), t.detach())
+            except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
+                self._on_fallback(layer, exc)
+                return None
+            (self._norms.verified if ok else self._norms.rejected).add(key)
+            if not ok:
+                return None
+        root.readers += 1  # NOTE [ One decode for several readers ]: decoded once for all
+        return Saved(Derived(root, fn), t, layer=layer)
 
     def _raise_unread(self, saved: Saved, source: torch.Tensor) -> None:
         """A value-dependent op's input at twice its bits when no record holds its output.
