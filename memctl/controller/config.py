@@ -44,7 +44,8 @@ class ControllerConfig:
         compress_outside: also compress float tensors saved outside the model's forward
             (the loss); off by default, see NOTE [ What is compressed ].
         log_prob_bits: bits at which log-softmax outputs are stored, as probabilities
-            (NOTE [ Log-probabilities ]); ``None`` keeps them exact.
+            with each group's largest kept exact (NOTE [ Log-probabilities ]); 4 (the
+            default) or 8; ``None`` keeps them exact.
         attention_bits: least bits of the query, key and probabilities an attention saves
             (``scaled_dot_product_attention``'s query and key; an explicit attention's
             logits matmul operands and probabilities), whatever their layer's bits; the
@@ -105,7 +106,7 @@ class ControllerConfig:
     allow_keep: bool = True
     min_numel: int = 4096
     compress_outside: bool = False
-    log_prob_bits: int | None = 8
+    log_prob_bits: int | None = 4
     attention_bits: int | None = 8
     attention_value_bits: int | None = 4
     norm_bits: int | None = 4
