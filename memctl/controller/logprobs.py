@@ -99,13 +99,12 @@ class LogProbs:
 
     __slots__ = ("floors", "group", "probs", "rows", "top", "top_at")
 
-    def __init__(self, probs: Packed, floors: torch.Tensor, group: int,
-                 rows: torch.Tensor | None = None, top: torch.Tensor | None = None,
-                 top_at: torch.Tensor | None = None) -> None:
+    def __init__(self, probs: Packed, floors: torch.Tensor, group: int, top: torch.Tensor,
+                 top_at: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         self.top = top
-        """Each group's largest probability, exact (float32), or None (NOTE [ Log-probabilities ])."""
+        """Each group's largest probability, exact (float32; NOTE [ Log-probabilities ])."""
         self.top_at = top_at
-        """Its place in its group (int16)."""
+        """Its place in its group (int16, int32 for groups of more than 2^15 values)."""
         self.probs = probs
         """The quantize codec's record of ``exp(y)`` (float32)."""
         self.floors = floors
@@ -119,7 +118,7 @@ class LogProbs:
     def nbytes(self) -> int:
         """Real bytes held: the probabilities' record plus the floors."""
         rows = 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
-        top = 0 if self.top is None or self.top_at is None else self.top.nbytes + self.top_at.nbytes
+        top = self.top.nbytes + self.top_at.nbytes
         return self.probs.nbytes + self.floors.numel() * self.floors.element_size() + rows + top
 
 
@@ -143,12 +142,12 @@ def encode_log_probs(t: torch.Tensor, codec: Codec, bits: int, seed: int, group:
     floors = _grouped(finite_or_neg_inf, group, torch.inf).amin(dim=1)
     p = y.exp()
     n = p.numel()
-    grouped = _grouped(p, group, 0.0)
+    grouped = _grouped(p, group, 0.0)  # (p is this function's own: changed in place)
     top, top_at = grouped.max(dim=1)  # kept exact; the rest quantised on the scale of what is left
-    grouped = grouped.clone()
     grouped.scatter_(1, top_at[:, None], 0.0)
     probs = codec.encode(grouped.reshape(-1)[:n], bits=bits, seed=seed)
-    return LogProbs(probs, floors, group, rows, top, top_at.to(torch.int16))
+    place = torch.int16 if group <= 2**15 else torch.int32
+    return LogProbs(probs, floors, group, top, top_at.to(place), rows)
 
 
 def decode_log_probs(record: LogProbs, codec: Codec, shape: tuple[int, ...],
@@ -156,9 +155,8 @@ def decode_log_probs(record: LogProbs, codec: Codec, shape: tuple[int, ...],
     """The log-probabilities a :class:`LogProbs` holds, every finite value within its group's range."""
     p = codec.decode(record.probs).reshape(-1)
     n = p.numel()
-    grouped = _grouped(p, record.group, 1.0)
-    if record.top is not None and record.top_at is not None:
-        grouped = grouped.scatter(1, record.top_at.long()[:, None], record.top[:, None])
+    grouped = _grouped(p, record.group, 1.0)  # (the decode's own tensor: changed in place)
+    grouped.scatter_(1, record.top_at.long()[:, None], record.top[:, None])
     y = grouped.log()
     y = torch.maximum(y, record.floors[:, None])  # NaN stays NaN; a −inf floor changes nothing
     if record.rows is None:

@@ -63,7 +63,7 @@ import torch
 from memctl.controller.derived import reshaped_from
 from memctl.controller.floors import is_rsqrt
 
-__all__ = ["NormChain", "NormInputs", "chain_of", "is_norm"]
+__all__ = ["NormChain", "NormInputs", "chain_of"]
 
 Function = Callable[[torch.Tensor], torch.Tensor]
 Read = Callable[[Any, str], Any]
@@ -89,9 +89,15 @@ def _rsqrt_side(node: Any) -> int | None:
     return sides[0] if len(sides) == 1 and len(node.next_functions) == 2 else None
 
 
-def is_norm(node: Any) -> bool:
-    """Whether ``node`` is a norm whose output :func:`chain_of` recognises (its input may serve it)."""
-    return node is not None and (_name(node) == _LAYER_NORM or _rsqrt_side(node) is not None)
+def _input_place(node: Any) -> int | None:
+    """The place of the norm's input ``x`` among ``node``'s operands, for a norm whose output
+    :func:`chain_of` recognises; else None."""
+    if node is None:
+        return None
+    if _name(node) == _LAYER_NORM:
+        return 0
+    side = _rsqrt_side(node)
+    return None if side is None else 1 - side
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class NormChain:
 
     op: Any
     """The norm's node: LayerNorm's, or an RMSNorm's product ``x·rstd``."""
+    place: int
+    """The place of the norm's input among :attr:`op`'s operands (an RMSNorm's ``rstd``: the other)."""
     gain: Any = None
     """The RMSNorm's multiplication by its gain, when ``t`` is past it."""
     gain_side: int = 0
@@ -109,15 +117,6 @@ class NormChain:
     outer_cast: bool = False
     """A cast of the whole output (to ``t``'s dtype)."""
     reshaped: bool = False
-
-    @property
-    def input_edge(self) -> tuple[Any, int]:
-        """The autograd key's parts ``(node, output number)`` of the norm's input."""
-        edges = self.op.next_functions
-        if _name(self.op) == _LAYER_NORM:
-            return edges[0][0], int(edges[0][1])
-        side = 1 - (_rsqrt_side(self.op) or 0)
-        return edges[side][0], int(edges[side][1])
 
     def function(self, read_field: Read, shape: torch.Size,
                  dtype: torch.dtype) -> tuple[Function, str] | None:
@@ -142,16 +141,14 @@ class NormChain:
                     y = y.mul_(weight) if y.dtype == weight.dtype else y * weight
                 return y if bias is None else y.add_(bias)
         else:
-            side = _rsqrt_side(op)
-            if side is None:
-                return None
-            rstd = read(op, "_saved_other" if side == 1 else "_saved_self")
+            x_first = self.place == 0
+            rstd = read(op, "_saved_other" if x_first else "_saved_self")
             if not isinstance(rstd, torch.Tensor):
                 return None
             key = "rms_norm"
 
             def norm(x: torch.Tensor) -> torch.Tensor:
-                return x * rstd if side == 1 else rstd * x
+                return x * rstd if x_first else rstd * x
         fn: Function = norm
         if self.gain is not None:
             gain = read(self.gain, "_saved_other" if self.gain_side == 1 else "_saved_self")
@@ -188,17 +185,19 @@ def chain_of(t: torch.Tensor) -> NormChain | None:
         node, nr = node.next_functions[0] if node.next_functions else (None, 0)
         if node is None or nr != 0:
             return None
-    if _name(node) == _LAYER_NORM or _rsqrt_side(node) is not None:
-        return NormChain(node, outer_cast=outer_cast, reshaped=reshaped)
+    place = _input_place(node)
+    if place is not None:
+        return NormChain(node, place, outer_cast=outer_cast, reshaped=reshaped)
     if _name(node) != _PRODUCT or len(node.next_functions) != 2:
         return None
     for i, (inner, inner_nr) in enumerate(node.next_functions):
         cast = inner is not None and _name(inner) == _CAST
         if cast:
             inner, inner_nr = inner.next_functions[0] if inner.next_functions else (None, 0)
-        if inner is not None and int(inner_nr) == 0 and _rsqrt_side(inner) is not None:
-            return NormChain(inner, gain=node, gain_side=1 - i, inner_cast=cast, outer_cast=outer_cast,
-                             reshaped=reshaped)
+        side = _rsqrt_side(inner) if inner is not None and int(inner_nr) == 0 else None
+        if side is not None:
+            return NormChain(inner, 1 - side, gain=node, gain_side=1 - i, inner_cast=cast,
+                             outer_cast=outer_cast, reshaped=reshaped)
     return None
 
 
@@ -227,8 +226,13 @@ class NormInputs:
         self._inputs.clear()
 
     def note(self, op: Any, saved: Any, source: torch.Tensor) -> None:
-        """The floor walk stored ``source`` (now recorded as ``saved``) as the input of norm ``op``."""
-        if not is_norm(op):
+        """The floor walk stored ``source`` (now recorded as ``saved``) at ``op``'s norm floor: kept
+        when ``op`` is a norm and ``source`` its input (not a weight or bias computed in the forward)."""
+        place = _input_place(op)
+        if place is None:
+            return
+        node, nr = op.next_functions[place]
+        if node is None or node is not source.grad_fn or int(nr) != int(source.output_nr):
             return
         self._inputs.pop(id(op), None)
         self._inputs[id(op)] = _Input(op, weakref.ref(saved), source, source._version)
@@ -243,11 +247,8 @@ class NormInputs:
         chain = chain_of(t)
         if chain is None:
             return None
-        entry = self._inputs.get(id(chain.op))
+        entry = self._inputs.get(id(chain.op))  # (its source is the norm's input: :meth:`note`)
         if entry is None or entry.op is not chain.op or entry.source._version != entry.version:
-            return None
-        node, nr = chain.input_edge
-        if node is None or node is not entry.source.grad_fn or nr != int(entry.source.output_nr):
             return None
         saved = entry.saved()
         return None if saved is None else (chain, saved, entry.source)

@@ -326,7 +326,7 @@ class Packer:
         self._peeking = False
         """A node's fields are being read in the forward: :meth:`unpack` returns exact records only."""
         self._peek_exact = False
-        """Those fields may come from any exact record, a layer's too (NOTE [ Norm outputs ... ])."""
+        """Those fields may come from any exact record, a layer's too (:meth:`_reading_fields`)."""
         self._matching = False
         """Whether a pack or a module output may have left something for a later pack to match
         since the last unpack in a backward cleared it (the trackers, the producers)."""
@@ -516,13 +516,15 @@ class Packer:
         self._forget_producers()
 
     @contextlib.contextmanager
-    def _reading_fields(self) -> Iterator[None]:
-        """Node fields read in the forward go through :meth:`_peek`, not a decode."""
-        self._peeking = True
+    def _reading_fields(self, any_exact: bool = False) -> Iterator[None]:
+        """Node fields read in the forward go through :meth:`_peek`, not a decode; ``any_exact``:
+        a layer's exact records are read too (by a reader that keeps the tensor it gets, NOTE [
+        Norm outputs recomputed from the input ]), not only those outside every layer."""
+        self._peeking, self._peek_exact = True, any_exact
         try:
             yield
         finally:
-            self._peeking = False
+            self._peeking = self._peek_exact = False
 
     def _peek(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
         """A node field read during the forward (NOTE [ Elementwise expressions ]: constants; NOTE
@@ -535,7 +537,7 @@ class Packer:
         if isinstance(saved, Saved):
             data = saved.data
             if isinstance(data, torch.Tensor) and (saved.layer is None or self._peek_exact):
-                return data  # (a layer's exact record: read only where the reader keeps the tensor)
+                return data
             if isinstance(data, Packed) and data.codec == "lossless" and not saved.dtype.is_floating_point:
                 out: torch.Tensor = self._codec("lossless").decode(data)
                 return out
@@ -1306,13 +1308,10 @@ class Packer:
         if not (isinstance(data, Packed) and data.codec == "quantize" and int(data.params["bits"]) >= floor):
             return None
         try:
-            self._peek_exact = True
-            with self._reading_fields():
+            with self._reading_fields(any_exact=True):
                 built = chain.function(getattr, t.shape, t.dtype)
         except (AttributeError, RuntimeError, TypeError, ValueError):  # a field stored lossily, or missing
             return None  # t keeps its own record
-        finally:
-            self._peek_exact = False
         if built is None:
             return None
         fn, name = built

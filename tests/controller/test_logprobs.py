@@ -87,6 +87,17 @@ def test_confident_rows_keep_the_rest_on_the_scale_of_what_is_left(bits: int) ->
     assert float(step.max()) < float(p[rows, top].min()) / (2**bits - 1) / 20  # 20x finer than before
 
 
+def test_groups_wider_than_int16_places_keep_their_largest_exact() -> None:
+    y = F.log_softmax(_logits(rows=2, vocab=40960, scale=6.0), dim=-1).detach()
+    codec = get("quantize")
+    rec = encode_log_probs(y, codec, 4, seed=0, group=40960)  # a place past 2^15 in each group
+    assert rec.top_at.dtype == torch.int32
+    got = decode_log_probs(rec, codec, y.shape, y.dtype)
+    top = y.argmax(dim=1)
+    assert bool((top > 2**15).any())
+    assert torch.allclose(got[torch.arange(2), top], y[torch.arange(2), top], atol=1e-6, rtol=0)
+
+
 def test_masked_and_nan_values_come_back_as_they_were() -> None:
     logits = torch.randn(8, 512)
     logits[:, 100:200] = -torch.inf  # a masked vocabulary
