@@ -39,6 +39,9 @@ class ProbeResult:
     """Replays re-run because their first draw was suspect."""
     grouped: int = 0
     """Replays that measured several layers at once (NOTE [ Several layers per replay ])."""
+    uniform: list[tuple[int, float]] = field(default_factory=list)
+    """(bits, added variance) of the replays with every layer at ``bits`` (NOTE [ Unmeasured
+    layers ]), fitted into the calibration here only when recording."""
     replays: int = 0
     seconds: float = 0.0
 
@@ -113,7 +116,9 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                         if bits in calibration.width_factors else None
                     draws = robust_draws(float((g - exact_g).square().sum()),
                                          distance(uniform, seed + 5 + bits), scale, expected)
-                    calibration.fit_width(bits, robust_value(draws), layers, fallback_g2)
+                    result.uniform.append((bits, robust_value(draws)))
+                    if record:  # else every rank fits the ranks' mean (NOTE [ Calibration across ranks ])
+                        calibration.fit_width(bits, robust_value(draws), layers, fallback_g2)
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):

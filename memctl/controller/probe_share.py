@@ -10,9 +10,12 @@ step, NOTE [ Agreement across ranks ]) and also the calibrated variance model (N
   (NOTE [ Replay ]) and measures what it can in its time allowance, but records nothing
   yet (``run_probe(..., record=False)``);
 - the measurements travel with the statistics, in the same SUM and MAX all-reduces (no
-  collective added): per layer and bit width a (sum, count) pair, and (sum, count) for
+  collective added): per layer and bit width a (sum, count) pair, (sum, count) for
   the exact gradient's squared norm, the minibatch noise and the added variance of the
-  allocation in use; MAX carries each layer's guard floor, whether any rank's loss turned
+  allocation in use, and per bit width (sum, count) for the replays with every layer at
+  that width, which fit the unmeasured layers' factor (NOTE [ Unmeasured layers ]; fitted
+  by each rank from its own replay, the factors differed by 3x between two ranks and so
+  did their allocations); MAX carries each layer's guard floor, whether any rank's loss turned
   back up, and whether any rank's calibration is off (a probe that failed on one rank
   turns calibration off on all);
 - every rank then folds the same means into its :class:`Calibration` and runs the guard
@@ -79,10 +82,12 @@ class ProbeShare:
         self.grad_sq: float | None = None
         self.noise: float | None = None
         self.added: float | None = None
+        self.uniform: list[tuple[int, float]] = []
 
     def sums(self) -> list[float]:
         slot = {(n, b): i for i, (n, b) in enumerate((n, b) for n in self.names for b in self.choices)}
-        out = [0.0] * (2 * len(slot) + 6)
+        width = {b: i for i, b in enumerate(self.choices)}
+        out = [0.0] * (2 * len(slot) + 6 + 2 * len(width))
         r = self.result
         if r is not None:
             for name, bits, value in r.measured:
@@ -94,6 +99,12 @@ class ProbeShare:
             for k, v in enumerate((r.grad_sq, r.noise, r.added)):
                 if v is not None and math.isfinite(v) and v >= 0:
                     out[base + 2 * k], out[base + 2 * k + 1] = v, 1.0
+            base += 6
+            for bits, value in r.uniform:
+                j = width.get(bits)
+                if j is not None and math.isfinite(value) and value >= 0:
+                    out[base + 2 * j] += value
+                    out[base + 2 * j + 1] += 1.0
         return out
 
     def maxima(self) -> list[float]:
@@ -109,6 +120,9 @@ class ProbeShare:
         means = [sums[base + 2 * k] / sums[base + 2 * k + 1] if sums[base + 2 * k + 1] > 0 else None
                  for k in range(3)]
         self.grad_sq, self.noise, self.added = means
+        base += 6
+        self.uniform = [(b, sums[base + 2 * j] / sums[base + 2 * j + 1])
+                        for j, b in enumerate(self.choices) if sums[base + 2 * j + 1] > 0]
         self.floors = {n: f for n, f in zip(self.names, maxima, strict=False) if f > 0}
         self.loss_turning = maxima[len(self.names)] > 0
         self.disabled = maxima[len(self.names) + 1] > 0
@@ -158,6 +172,9 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
         if s is not None:
             cal.record(name, bits, value, closed_form(s, fallback_g2, bits), ctl._step)
     cal.record_reference(share.grad_sq, share.noise)
+    if share.uniform and cal.unmeasured(layers):  # as run_probe fits them, after the layers
+        for bits, value in share.uniform:
+            cal.fit_width(bits, value, layers, fallback_g2)
     if share.added is not None:
         cal.added, cal.added_predicted = share.added, predicted
     if share.disabled and cal.enabled:

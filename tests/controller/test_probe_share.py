@@ -58,3 +58,34 @@ def test_without_a_probe_a_rank_sends_zeros_and_keeps_its_own_when_alone() -> No
 def test_replays_run_the_plain_module() -> None:
     model = torch.nn.Linear(2, 2)
     assert replay_module(model) is model
+
+
+def test_uniform_replays_are_averaged_and_every_rank_fits_the_mean() -> None:
+    # NOTE [ Unmeasured layers ]: the per-width factor is fitted from the ranks' mean, not by
+    # each rank from its own replay (two ranks' own fits differed by 3x, and so did their bits).
+    import memctl
+    from memctl.controller.probe_share import apply_share
+
+    r0 = ProbeShare(NAMES, CHOICES, ProbeResult(uniform=[(2, 1.0), (4, 0.25)]), {}, False, False)
+    r1 = ProbeShare(NAMES, CHOICES, ProbeResult(uniform=[(2, 3.0), (4, math.inf)]), {}, False, False)
+    _reduce([r0, r1])
+    assert r0.uniform == r1.uniform == [(2, 2.0), (4, 0.25)]
+
+    factors = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # no probe of its own: every layer is unmeasured when the share arrives
+        ctl = memctl.Controller(model, opt, min_numel=16, group_size=16, monitor_interval_s=0,
+                                calibration_fraction=0.0)
+        for _ in range(2):
+            model(torch.randn(32, 64)).square().mean().backward()
+            opt.step()
+        share = ProbeShare(sorted(ctl._layers), tuple(ctl.config.bit_choices),
+                           ProbeResult(uniform=[(2, 2.0)]), {}, False, False)
+        share.keep_local()
+        apply_share(ctl, share)
+        factors.append(dict(ctl._calibration.width_factors))
+        ctl.detach()
+    assert 2 in factors[0] and factors[0] == factors[1]
