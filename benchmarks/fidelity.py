@@ -33,11 +33,16 @@ distinct storages a plain ``saved_tensors_hooks`` counter sees in the plain run,
 the real buffer sizes of the records memctl's pack hook returned in the memctl run, both
 at the last step), the process's peak RSS, and the wall time of the training loop. Prints
 figures, asserts nothing; progress goes to stderr.
+
+``--option NAME=VALUE`` (repeatable) passes a ``Controller`` keyword to every memctl
+configuration but ``cos8``; ``--no-checks`` skips the ``reseed`` and ``cos8`` runs, for a
+sweep of an option (``--configs default --no-checks --option variance_bound=0.03``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import math
@@ -301,7 +306,7 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
 
 
 def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved: int,
-               threads: int, device: str = "cpu") -> dict[str, Any]:
+               threads: int, device: str = "cpu", extra: dict[str, Any] | None = None) -> dict[str, Any]:
     if threads > 0:
         torch.set_num_threads(threads)
     import memctl
@@ -348,6 +353,7 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             options["budget"] = int((static + plain_saved / 8) / 0.95)
         if config == "varcheck":
             options.update(calibration_fraction=1000.0, allocation_interval=5)
+        options.update(extra or {})
         ctl = memctl.Controller(model, opt, **options)
         if config == "varcheck":
             result["predictions"] = _watch_predictions(ctl)
@@ -562,11 +568,12 @@ def _copy_model(model: nn.Module) -> nn.Module:
 
 
 # -- the driver ---------------------------------------------------------------------------------
-def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int,
-                timeout: float, threads: int, device: str = "cpu") -> dict[str, Any]:
+def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int, timeout: float,
+                threads: int, device: str = "cpu", options: tuple[str, ...] = ()) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, config, "--steps", str(steps),
            "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads),
            "--device", device]
+    cmd += [arg for option in options for arg in ("--option", option)]
     return run_child(cmd, threads, timeout, {"model": model, "config": config})
 
 
@@ -655,16 +662,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="folder for raw results (JSON per model)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N) to train every run on a GPU")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a Controller keyword for every memctl configuration (not cos8), "
+                         "e.g. variance_bound=0.03")
+    ap.add_argument("--no-checks", action="store_true",
+                    help="skip the reseed and cos8 runs (a sweep of --option)")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--plain-saved", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        extra = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.option)}
+    except (ValueError, SyntaxError) as exc:
+        ap.error(f"--option takes NAME=VALUE with a Python literal value, got {args.option}: {exc}")
     if args.list:
         for s in SPECS.values():
             print(f"{s.name:18s} {s.library}")
         return 0
     if args.worker:
         result = run_worker(args.worker[0], args.worker[1], args.steps, args.seed, args.plain_saved,
-                            args.threads, args.device)
+                            args.threads, args.device, extra if args.worker[1] != "cos8" else None)
         print("RESULT " + json.dumps(result))
         return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -681,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
     print(f"# {steps} steps, seed {args.seed}, device {args.device}, {args.threads or 'default'} thread(s) "
-          f"per process; {TARGETS}")
+          f"per process{''.join(', ' + o for o in args.option)}; {TARGETS}")
     print(HEADER)
     for name in models:
         spec = SPECS[name]
@@ -694,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["plain"] = _run_config(name, "plain", steps, args.seed, 0, args.timeout, args.threads,
                                     args.device)
         plain_saved = int(rows["plain"].get("saved_bytes", 0))
-        if not args.quick:
+        if not (args.quick or args.no_checks):
             _progress(f"{name}: reseed")
             rows["reseed"] = _run_config(name, "reseed", steps, args.seed, 0, args.timeout, args.threads,
                                          args.device)
@@ -704,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         for config in configs:
             _progress(f"{name}: {config}")
             rows[config] = _run_config(name, config, steps, args.seed, plain_saved, args.timeout,
-                                       args.threads, args.device)
+                                       args.threads, args.device, tuple(args.option))
         for line in summarise(rows):
             print(line, flush=True)
         audit_lines = summarise_audit(name, rows.get("varcheck", {}).get("audit") or [])
