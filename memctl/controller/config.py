@@ -60,6 +60,9 @@ class ControllerConfig:
             ``None``: no floor.
         keep_inputs: save the model's own input tensors by reference instead of compressing
             them (NOTE [ Model inputs ]); off by default.
+        pause_collector: pause Python's automatic garbage collection from a forward's start
+            to its backward's end (NOTE [ Collector paused while records live ]); on by
+            default, and only while the collector was enabled.
         group_size: values per quantisation group.
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
@@ -112,6 +115,7 @@ class ControllerConfig:
     attention_value_bits: int | None = 4
     norm_bits: int | None = 4
     keep_inputs: bool = False
+    pause_collector: bool = True
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
     allocation_interval: int = 10

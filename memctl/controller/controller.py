@@ -222,6 +222,7 @@ class Controller:
         without an optimizer call :meth:`step` once more instead.
         """
         self._scope.close()
+        self._packer.collector.resume()
         if self._handles and self._ranks is not None and not self._ranks.left:
             self._leaving = True
             if self.optimizer is not None:
@@ -290,6 +291,7 @@ class Controller:
             if first is not None and first.dim() > self.config.batch_dim:
                 samples = int(first.shape[self.config.batch_dim])
             self._packer.begin_forward(samples)  # NOTE [ Micro-batches ]
+            self._packer.collector.forward()  # NOTE [ Collector paused while records live ]
             if self.config.keep_inputs:
                 self._packer.inputs.set((*args, *kwargs.values()))  # NOTE [ Model inputs ]
         self._tracker.model_depth += 1
@@ -401,6 +403,7 @@ class Controller:
     def _step_boundary(self) -> None:
         started = time.perf_counter()
         self._scope.close()
+        self._packer.collector.resume()
         self._train_s += time.perf_counter() - self._last_boundary
         records = self._packer.finish_step()
         batch = self._packer.last_samples

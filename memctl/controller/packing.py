@@ -134,6 +134,7 @@ from torch._utils import _flatten_dense_tensors
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.batches import Batch, Batches, BatchRecord
+from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
 from memctl.controller.expressions import Expression, build, is_elementwise
@@ -283,6 +284,8 @@ class Packer:
         self._norms = NormInputs()  # NOTE [ Norm outputs recomputed from the input ]
         self.inputs = ModelInputs()
         """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
+        self.collector = CollectorPause(config.pause_collector)
+        """NOTE [ Collector paused while records live ]."""
         self._counter = 0
         self._seed_base = 0
         self._steps = 0
@@ -644,6 +647,7 @@ class Packer:
             return self._peek(saved)
         if self._matching and _current_node() is not None:  # not a node field read while packing
             self._matching = False  # (once a backward: nothing is added until the next pack)
+            self.collector.backward()  # NOTE [ Collector paused while records live ]
             self._regions.clear()  # the forward is over: no pending input can still be matched
             self._floors.clear()
             self._norms.clear()
