@@ -24,10 +24,14 @@ is what runs out first: it also holds the forward's working set, the tensors an 
 while it runs, which no saved-tensor hook can shrink. On the CPU, from the process's
 resident set (``/proc/self/statm``; the peak from ``VmHWM`` in ``/proc/self/status``,
 restarted before each forward through ``/proc/self/clear_refs``), from just before the
-forward pass to just before the backward pass, with ``MALLOC_MMAP_THRESHOLD_=65536`` in the
-child's environment so that freed tensors leave the resident set (and glibc's
-``malloc_trim(0)`` before each forward, outside the timed region, for the small blocks below
-that threshold); on a GPU, ``torch.cuda.memory_allocated`` after the forward and
+forward pass to just before the backward pass, with ``MALLOC_MMAP_THRESHOLD_=4096`` (the page
+size) in the child's environment so that every tensor buffer of a page or more is a mapping
+of its own and leaves the resident set when freed (and glibc's ``malloc_trim(0)`` before
+each forward, outside the timed region, for the small blocks below that threshold). With
+the threshold at 64 KiB, as until 2026-11-24, the GRU's 16 KiB tensors came from glibc's
+heap, whose top the long-lived blocks between them pinned: plain 12.2 MiB held, memctl
+8.3 MiB, checkpointing 5.3 MiB; at 4 KiB 13.2, 1.8 and 4.0 MiB (the CNN's and MLP's
+figures move by less than 0.2 MiB); on a GPU, ``torch.cuda.memory_allocated`` after the forward and
 ``torch.cuda.max_memory_allocated`` during it, each minus the memory allocated before it.
 ``--scale`` multiplies every batch size: a GPU needs larger batches than a CPU to be busy.
 Step time is the median over the measured steps after warm-up (forward, backward and
@@ -344,12 +348,16 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- the table (parent process) -----------------------------------------------------------------
+_MMAP_THRESHOLD = 4096
+"""glibc's mmap threshold in the memory process: every buffer of a page or more is its own mapping."""
+
+
 def _spawn(args: argparse.Namespace, model: str, method: str, budget: int | None) -> dict[str, Any]:
     """One configuration. On a CPU, two processes: RSS shows held memory only with
-    ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors leave RSS), but that setting turns every
-    allocation above 64 KiB into an mmap with fresh page faults, which slowed the CNN's plain
-    step 1.5x and memctl's 1.9x (it allocates more, smaller buffers). So the step time comes
-    from a process with the allocator as users run it, the memory from one with the setting."""
+    ``MALLOC_MMAP_THRESHOLD_=4096`` (freed tensors leave RSS), but that setting turns every
+    allocation of a page or more into an mmap with fresh page faults (at 64 KiB it already
+    slowed the CNN's plain step 1.5x and memctl's 1.9x). So the step time comes from a
+    process with the allocator as users run it, the memory from one with the setting."""
     timed = _run(args, model, method, budget, "time")
     if args.device.startswith("cuda") or "error" in timed:
         return timed
@@ -371,7 +379,7 @@ def _run(args: argparse.Namespace, model: str, method: str, budget: int | None, 
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = env["NUMBA_NUM_THREADS"] = str(args.threads)
     if phase == "memory":
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         return {"model": model, "method": method, "error": out.stderr.strip().splitlines()[-1:]}
