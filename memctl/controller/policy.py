@@ -39,10 +39,10 @@ MobileNetV3 9.5x and 10.0x; ``transformer_block`` 6.8x and 8.0x; every model of 
 benchmark at 94.6% of plain's drop or more with 0.05; ``benchmarks/convergence.py``, text
 LM, 300 steps, 3 seeds: +0.45-0.67% of plain's validation loss with 0.01, +0.59-0.63%
 with 0.05 at 9.9-10.0x). It is still tighter than AC-GC's own released configuration,
-which lets each layer's weight-gradient error reach that gradient's squared norm (error
-exponent 0 in its ResNet-50 scripts, github.com/rdevans0/acgc). ``bits=`` and budgets
-keep their own guard bound (``guard_bound``, 1.0), since they ask for a size, not a noise
-level.
+which bounds each layer's weight-gradient error by the order of that gradient's squared
+norm (error exponent 0, ``e = 2^-0``, in its ResNet-50 scripts, github.com/rdevans0/acgc).
+``bits=`` and budgets keep their own guard bound (``guard_bound``, 1.0), since they ask
+for a size, not a noise level.
 """
 
 from __future__ import annotations
