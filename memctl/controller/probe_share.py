@@ -16,8 +16,10 @@ step, NOTE [ Agreement across ranks ]) and also the calibrated variance model (N
   that width, which fit the unmeasured layers' factor (NOTE [ Unmeasured layers ]; fitted
   by each rank from its own replay, the factors differed by 3x between two ranks and so
   did their allocations); MAX carries each layer's guard floor, whether any rank's loss turned
-  back up, and whether any rank's calibration is off (a probe that failed on one rank
-  turns calibration off on all);
+  back up, whether any rank's calibration is off (a probe that failed on one rank
+  turns calibration off on all), and the absurd draws of NOTE [ Robust measurements ]:
+  per layer the widest width that gave one, and whether a replay of the allocation in
+  use did (before, a rank's own absurd draws were dropped with its unrecorded figures);
 - every rank then folds the same means into its :class:`Calibration` and runs the guard
   on them, with the floors agreed by MAX: identical inputs, so identical floors and an
   identical allocation.
@@ -83,6 +85,8 @@ class ProbeShare:
         self.noise: float | None = None
         self.added: float | None = None
         self.uniform: list[tuple[int, float]] = []
+        self.unsafe: dict[str, int] = {}
+        self.tail = False
 
     def sums(self) -> list[float]:
         slot = {(n, b): i for i, (n, b) in enumerate((n, b) for n in self.names for b in self.choices)}
@@ -109,7 +113,15 @@ class ProbeShare:
 
     def maxima(self) -> list[float]:
         floors = [self.floors.get(n, 0.0) for n in self.names]
-        return [*floors, float(self.loss_turning), float(self.disabled)]
+        widest = dict.fromkeys(self.names, 0)
+        r = self.result
+        if r is not None:
+            for name, bits in r.unsafe:
+                if name in widest:
+                    widest[name] = max(widest[name], bits)
+        tail = r is not None and r.tail
+        return [*floors, float(self.loss_turning), float(self.disabled),
+                *(float(widest[n]) for n in self.names), float(tail)]
 
     def receive(self, sums: list[float], maxima: list[float]) -> None:
         """Take the reduced ``sums()`` and ``maxima()`` (every rank receives the same)."""
@@ -124,8 +136,11 @@ class ProbeShare:
         self.uniform = [(b, sums[base + 2 * j] / sums[base + 2 * j + 1])
                         for j, b in enumerate(self.choices) if sums[base + 2 * j + 1] > 0]
         self.floors = {n: f for n, f in zip(self.names, maxima, strict=False) if f > 0}
-        self.loss_turning = maxima[len(self.names)] > 0
-        self.disabled = maxima[len(self.names) + 1] > 0
+        k = len(self.names)
+        self.loss_turning = maxima[k] > 0
+        self.disabled = maxima[k + 1] > 0
+        self.unsafe = {n: int(b) for n, b in zip(self.names, maxima[k + 2:2 * k + 2], strict=True) if b > 0}
+        self.tail = maxima[2 * k + 2] > 0
         self.received = True
 
     def keep_local(self) -> None:
@@ -180,10 +195,19 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     if share.disabled and cal.enabled:
         cal.disable()
         ctl._event("calibration_failed", "calibration is off on every rank: it failed or is off on one")
+    for name, bits in share.unsafe.items():  # NOTE [ Robust measurements ], as run_probe marks them
+        cal.mark_unsafe(name, bits)
+    if share.unsafe:
+        ctl._event("calibration_outlier", "absurd added variance measured for "
+                   + ", ".join(f"{n} at {b} bits" for n, b in sorted(share.unsafe.items()))
+                   + " (on at least one rank); those widths are kept from those layers")
     ctl._guard.floors = dict(share.floors)
     fired = False
     if ctl.config.guard and share.added is not None and layers:
         fired = ctl._noise_guard(share.added, layers, fallback_g2)
+    if ctl.config.guard and not fired and share.tail and layers:
+        fired = ctl._raise_bits(layers, fallback_g2, 1.0, "a replay of the allocation in use gave an absurd "
+                                "gradient on at least one rank (NOTE [ Robust measurements ])")
     if ctl.config.guard and not fired and share.loss_turning and layers:
         fired = ctl._raise_bits(layers, fallback_g2, 0.5,
                                 "the loss turned back up against its history (on at least one rank)")

@@ -89,3 +89,39 @@ def test_uniform_replays_are_averaged_and_every_rank_fits_the_mean() -> None:
         factors.append(dict(ctl._calibration.width_factors))
         ctl.detach()
     assert 2 in factors[0] and factors[0] == factors[1]
+
+
+def test_absurd_draws_on_any_rank_are_agreed_by_max() -> None:
+    # NOTE [ Robust measurements ]: a rank's absurd draws were dropped with its unrecorded
+    # figures; now every rank marks the widest absurd width of each layer, and a replay of
+    # the allocation in use that was absurd on one rank raises bits on all.
+    r0 = ProbeShare(NAMES, CHOICES, ProbeResult(unsafe=[("a", 1), ("a", 2)]), {}, False, False)
+    r1 = ProbeShare(NAMES, CHOICES, ProbeResult(unsafe=[("b", 1)], tail=True), {}, False, False)
+    r2 = ProbeShare(NAMES, CHOICES, None, {}, False, False)
+    _reduce([r0, r1, r2])
+    for s in (r0, r1, r2):
+        assert s.unsafe == {"a": 2, "b": 1} and s.tail
+    quiet = ProbeShare(NAMES, CHOICES, ProbeResult(), {}, False, False)
+    quiet.keep_local()
+    assert quiet.unsafe == {} and not quiet.tail
+
+
+def test_a_shared_absurd_width_becomes_a_floor_on_every_rank() -> None:
+    import memctl
+    from memctl.controller.probe_share import apply_share
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctl = memctl.Controller(model, opt, min_numel=16, group_size=16, monitor_interval_s=0,
+                            bit_choices=(1, 2, 4, 8))
+    model(torch.randn(32, 64)).square().mean().backward()
+    opt.step()
+    name = sorted(ctl._layers)[-1]
+    share = ProbeShare(sorted(ctl._layers), (1, 2, 4, 8), ProbeResult(unsafe=[(name, 2)]), {}, False, False)
+    share.keep_local()
+    apply_share(ctl, share)
+    state = ctl._layers[name]
+    assert ctl._calibration.floor(state) == 4.0
+    assert any(e["kind"] == "calibration_outlier" for e in ctl.stats()["events"])
+    ctl.detach()
