@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker:
         result = run_worker(args.worker[0], args.worker[1], args.steps, args.seed, args.plain_saved,
-                            args.threads, args.device, extra if args.worker[1] != "cos8" else None)
+                            args.threads, args.device, extra)
         print("RESULT " + json.dumps(result))
         return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -116,9 +116,10 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                         if bits in calibration.width_factors else None
                     draws = robust_draws(float((g - exact_g).square().sum()),
                                          distance(uniform, seed + 5 + bits), scale, expected)
-                    result.uniform.append((bits, robust_value(draws)))
+                    value = robust_value(draws)
+                    result.uniform.append((bits, value))
                     if record:  # else every rank fits the ranks' mean (NOTE [ Calibration across ranks ])
-                        calibration.fit_width(bits, robust_value(draws), layers, fallback_g2)
+                        calibration.fit_width(bits, value, layers, fallback_g2)
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
