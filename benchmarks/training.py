@@ -35,11 +35,17 @@ figures move by less than 0.2 MiB); on a GPU, ``torch.cuda.memory_allocated`` af
 ``torch.cuda.max_memory_allocated`` during it, each minus the memory allocated before it.
 ``--scale`` multiplies every batch size: a GPU needs larger batches than a CPU to be busy.
 Step time is the median over the measured steps after warm-up (forward, backward and
-optimizer step); loss is the last step's. With ``--rounds N`` every configuration is timed
-in N processes, the methods in turns (plain, memctl, ..., plain, memctl, ...), and the
-table gives the median of the N and their range: on a shared machine whose speed drifts
-over minutes, one process per method compared methods timed minutes apart. ``--threads N``
-sets ``OMP_NUM_THREADS`` and ``NUMBA_NUM_THREADS`` in the child processes.
+optimizer step), and their mean: memctl's calibration probes (NOTE [ Probe cost ]) run
+inside the optimizer step of a few steps, so the median leaves them out and the mean
+carries them, with the number of probes that ran in the measured steps (``probes``, summed
+over the rounds). The first probe runs at step 0, in the warm-up; while layers are
+unmeasured the probes may take a quarter of the time trained, a twentieth afterwards, so
+only runs of many steps (``--steps 100``) show what a long run pays. Loss is the last
+step's. With ``--rounds N`` every configuration is timed in N processes, the methods in
+turns (plain, memctl, ..., plain, memctl, ...), and the table gives the median of the N
+and their range: on a shared machine whose speed drifts over minutes, one process per
+method compared methods timed minutes apart. ``--threads N`` sets ``OMP_NUM_THREADS`` and
+``NUMBA_NUM_THREADS`` in the child processes.
 
     python benchmarks/training.py                    # all models and methods, CPU
     python benchmarks/training.py --quick            # fewer steps
@@ -297,7 +303,10 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     peaks: list[int] = []
     loss = float("nan")
     cuda = device.type == "cuda"
+    probes = 0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup and controller is not None:
+            probes = -controller.stats()["calibration"]["probes"]
         x, y = (t.to(device) for t in batch(gen))
         if cuda:
             torch.cuda.synchronize()
@@ -337,12 +346,14 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "method": args.method,
         "step_ms": statistics.median(times) * 1e3,
+        "mean_ms": statistics.fmean(times) * 1e3,
         "held_bytes": statistics.median(held),
         "peak_bytes": statistics.median(peaks),
         "loss": loss,
         "state_bytes": _state_bytes(model, optimizer),
     }
     if controller is not None:
+        result["probes"] = probes + controller.stats()["calibration"]["probes"]
         controller.detach()
     return result
 
@@ -431,8 +442,9 @@ def main() -> None:
           f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'default')} threads, "
           f"{args.rounds} round{'s' if args.rounds > 1 else ''}, load {os.getloadavg()[0]:.2f}")
     spread = args.rounds > 1
-    print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'held MiB':>9} {'less':>7} "
-          f"{'peak MiB':>9} {'less':>7} {'loss':>8}" + (f" {'step ms, rounds':>17}" if spread else ""))
+    print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'mean ms':>9} {'x plain':>8} "
+          f"{'probes':>6} {'held MiB':>9} {'less':>7} {'peak MiB':>9} {'less':>7} {'loss':>8}"
+          + (f" {'step ms, rounds':>17}" if spread else ""))
     for model in [m for m in args.models.split(",") if m]:
         results: dict[str, dict[str, Any]] = {}
         budgets: dict[str, int | None] = {}
@@ -446,6 +458,7 @@ def main() -> None:
             budgets[method] = budget
             r = _spawn(args, model, method, budget)
             r["rounds"] = [r["step_ms"]] if "error" not in r else []
+            r["means"] = [r["mean_ms"]] if "error" not in r else []
             results[method] = r
         for _ in range(args.rounds - 1):  # the methods in turns, timed only
             for method, budget in budgets.items():
@@ -453,21 +466,29 @@ def main() -> None:
                     again = _run(args, model, method, budget, "time")
                     if "error" not in again:
                         results[method]["rounds"].append(again["step_ms"])
+                        results[method]["means"].append(again["mean_ms"])
+                        if "probes" in again:
+                            results[method]["probes"] += again["probes"]
         plain = results.get("plain")
         if plain is not None and "error" not in plain:
             plain["step_ms"] = statistics.median(plain["rounds"])
+            plain["mean_ms"] = statistics.median(plain["means"])
         for method, r in results.items():
             if "error" in r:
                 print(f"{model:<12} {method:<14} failed: {r['error']}")
                 continue
             r["step_ms"] = statistics.median(r["rounds"])
+            r["mean_ms"] = statistics.median(r["means"])
             ok = plain is not None and "error" not in plain
             ratio = r["step_ms"] / plain["step_ms"] if ok and plain is not None else float("nan")
+            mean_ratio = r["mean_ms"] / plain["mean_ms"] if ok and plain is not None else float("nan")
+            probes = str(r["probes"]) if "probes" in r else "-"
             less = _less(plain if ok else None, r, "held_bytes")
             peak_less = _less(plain if ok else None, r, "peak_bytes")
             rounds = f" {min(r['rounds']):>8.2f}-{max(r['rounds']):<8.2f}" if spread else ""
-            print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} "
-                  f"{r['held_bytes'] / 2**20:>9.2f} {less} {r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
+            print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} {r['mean_ms']:>9.2f} "
+                  f"{mean_ratio:>8.2f} {probes:>6} {r['held_bytes'] / 2**20:>9.2f} {less} "
+                  f"{r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
                   f"{r['loss']:>8.4f}{rounds}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 

@@ -80,8 +80,15 @@ debt: the carry goes negative, and a probe is due only once the time trained sin
 last one has paid it back (``affords``); the skipped steps' time keeps accruing. The
 share is ``calibration_fraction`` while any layer is unmeasured, and a fifth of it
 afterwards: the measurements then only follow drift, and a long run should not pay a
-quarter of its time for that. Under a process group every rank must probe at the same
-steps, so ranks keep one probe per allocation step (NOTE [ Calibration across ranks ]).
+quarter of its time for that. While a layer is unmeasured a probe also measures at least
+as many layers as it has fixed replays (those above and one per uniform width of NOTE [
+Unmeasured layers ]), so that at most half of it is overhead: measured one layer a probe,
+the 4-layer GRU of benchmarks/training.py paid 8 replays per layer and took four probes,
+and ~95 steps at the quarter share, to finish; now its first probe measures every layer
+at 2 bits (8 replays in all; the uniform replays are not needed once none is unmeasured).
+The debt keeps the share: a larger probe is followed by a longer wait. Under a process
+group every rank must probe at the same steps, so ranks keep one probe per allocation step
+(NOTE [ Calibration across ranks ]).
 """
 
 from __future__ import annotations
@@ -321,13 +328,12 @@ class Calibration:
         of the last is paid (NOTE [ Probe cost ])."""
         return self.probes == 0 or self.carry_s + self.share() * max(train_s, 0.0) >= 0.0
 
-    def allowance(self, train_s: float, fixed_replays: int) -> int:
-        """How many layer measurements this probe may run (at least one)."""
+    def allowance(self, train_s: float, fixed_replays: int, least: int = 1) -> int:
+        """How many layer measurements this probe may run: what its share leaves after
+        ``fixed_replays``, and at least ``least`` (NOTE [ Probe cost ])."""
         budget = self.carry_s + self.share() * max(train_s, 0.0)
         per = self.replay_s if self.replay_s else None
-        if per is None or per <= 0:
-            return 1
-        n = int(budget // per) - fixed_replays
+        n = least if per is None or per <= 0 else max(int(budget // per) - fixed_replays, least)
         return max(1, min(n, self._config.calibration_max_replays))
 
     def spend(self, train_s: float, spent_s: float) -> None:

@@ -135,3 +135,32 @@ def test_probes_wait_for_their_time_budget() -> None:
     probes = ctl.stats()["calibration"]["probes"]
     ctl.detach()
     assert probes == 1
+
+
+def test_a_probe_with_layers_unmeasured_measures_as_many_as_its_fixed_replays() -> None:
+    """NOTE [ Probe cost ]: the share decides how many layers a probe measures, but while a layer
+    is unmeasured no fewer than the replays the probe cannot drop."""
+    cal = Calibration(ControllerConfig(calibration_fraction=0.25, calibration_max_replays=16))
+    cal.time_replay(1.0)
+    cal.probes, cal.carry_s = 1, -5.0  # in debt: the share alone affords no layer
+    assert cal.allowance(train_s=4.0, fixed_replays=3) == 1
+    assert cal.allowance(train_s=4.0, fixed_replays=3, least=7) == 7
+    assert cal.allowance(train_s=100.0, fixed_replays=3, least=7) == 16  # the share affords more
+    assert ControllerConfig(calibration_max_replays=4).calibration_max_replays == 4
+    capped = Calibration(ControllerConfig(calibration_max_replays=4))
+    assert capped.allowance(train_s=0.0, fixed_replays=3, least=7) == 4
+
+
+def test_the_first_probe_measures_every_layer_of_a_small_model() -> None:
+    """With a share too small for more than one layer, the first probe still measures each of the
+    model's four layers (once it measured one a probe, and the quarter share lasted four probes)."""
+    torch.manual_seed(0)
+    model = NoisyNet(12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, calibration_fraction=1e-6)
+    _steps(ctl, 1)
+    cal = ctl._calibration
+    layers = [e["name"] for e in ctl.stats()["layers"] if e["raw_bytes"] and e["name"] in cal.measured]
+    ctl.detach()
+    assert cal.probes == 1 and cal.complete, (cal.probes, sorted(cal.measured))
+    assert len(layers) >= 4 and all(2 in cal.measured[n] for n in layers)
