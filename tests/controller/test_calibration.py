@@ -146,7 +146,6 @@ def test_a_probe_with_layers_unmeasured_measures_as_many_as_its_fixed_replays() 
     assert cal.allowance(train_s=4.0, fixed_replays=3) == 1
     assert cal.allowance(train_s=4.0, fixed_replays=3, least=7) == 7
     assert cal.allowance(train_s=100.0, fixed_replays=3, least=7) == 16  # the share affords more
-    assert ControllerConfig(calibration_max_replays=4).calibration_max_replays == 4
     capped = Calibration(ControllerConfig(calibration_max_replays=4))
     assert capped.allowance(train_s=0.0, fixed_replays=3, least=7) == 4
 
@@ -160,7 +159,6 @@ def test_the_first_probe_measures_every_layer_of_a_small_model() -> None:
     ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, calibration_fraction=1e-6)
     _steps(ctl, 1)
     cal = ctl._calibration
-    layers = [e["name"] for e in ctl.stats()["layers"] if e["raw_bytes"] and e["name"] in cal.measured]
     ctl.detach()
-    assert cal.probes == 1 and cal.complete, (cal.probes, sorted(cal.measured))
-    assert len(layers) >= 4 and all(2 in cal.measured[n] for n in layers)
+    assert cal.probes == 1 and cal.complete, (cal.probes, sorted(cal.measured))  # complete: every layer
+    assert len(cal.measured) >= 4 and all(2 in mine for mine in cal.measured.values()), cal.measured
