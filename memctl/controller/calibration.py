@@ -80,13 +80,16 @@ debt: the carry goes negative, and a probe is due only once the time trained sin
 last one has paid it back (``affords``); the skipped steps' time keeps accruing. The
 share is ``calibration_fraction`` while any layer is unmeasured, and a fifth of it
 afterwards: the measurements then only follow drift, and a long run should not pay a
-quarter of its time for that. While a layer is unmeasured a probe also measures at least
-as many layers as it has fixed replays (those above and one per uniform width of NOTE [
-Unmeasured layers ]), so that at most half of it is overhead: measured one layer a probe,
-the 4-layer GRU of benchmarks/training.py paid 8 replays per layer and took four probes,
-and ~95 steps at the quarter share, to finish; now its first probe measures every layer
-at 2 bits (8 replays in all; the uniform replays are not needed once none is unmeasured).
-The debt keeps the share: a larger probe is followed by a longer wait. Under a process
+quarter of its time for that. While layers are unmeasured a probe also measures at least
+as many of them as it has fixed replays (those above and one per uniform width of NOTE [
+Unmeasured layers ]), or all of them where fewer, so that at most half of it is overhead:
+measured one layer a probe, the 4-layer GRU of benchmarks/training.py paid 8 replays per
+layer and took four probes, and ~95 steps at the quarter share, to finish; now its first
+probe measures every layer at 2 bits (8 replays in all; the uniform replays are not needed
+once none is unmeasured). The floor counts unmeasured layers, not (layer, width) pairs: a
+probe measures a layer at 1 bit beyond that only where its share allows, as before, since
+1 bit is the width whose damage the closed form hides and a layer may take it once measured
+there. The debt keeps the share: a larger probe is followed by a longer wait. Under a process
 group every rank must probe at the same steps, so ranks keep one probe per allocation step
 (NOTE [ Calibration across ranks ]).
 """

@@ -95,11 +95,11 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             calibration.record_reference(result.grad_sq, result.noise)
         scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
-        # NOTE [ Probe cost ]: while a layer is unmeasured, as many layers as fixed replays (those
+        # NOTE [ Probe cost ]: while layers are unmeasured, as many of them as fixed replays (those
         # run, the two halves, one per uniform width)
-        least = result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2) \
-            if calibration.unmeasured(layers) else 1
-        limit = calibration.allowance(train_s, result.replays + 1, least)
+        unmeasured = sum(1 for s in layers if not calibration.measured.get(s.name))
+        least = min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2), unmeasured)
+        limit = calibration.allowance(train_s, result.replays + 1, max(least, 1))
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
         # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
