@@ -237,10 +237,14 @@ class Calibration:
     def unmeasured(self, layers: Iterable[LayerState]) -> bool:
         """Whether any of ``layers`` has no measurement yet (also kept as :attr:`complete`)."""
         layers = list(layers)
-        missing = any(not self.measured.get(s.name) for s in layers)
+        missing = self.count_unmeasured(layers) > 0
         if layers:
             self.complete = not missing
         return missing
+
+    def count_unmeasured(self, layers: Iterable[LayerState]) -> int:
+        """How many of ``layers`` have no measurement yet."""
+        return sum(1 for s in layers if not self.measured.get(s.name))
 
     def fit_width(self, bits: int, added: float, layers: Iterable[LayerState], fallback_g2: float) -> None:
         """Fit the unmeasured layers' factor at ``bits`` to ``added``, measured with every layer at

@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -509,18 +509,27 @@ class Controller:
                 self._tracker.reset()
             self._train_s = 0.0
             if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
-                self._event("calibration_outlier", "absurd added variance measured for "
-                            + ", ".join(f"{n} at {b} bits" for n, b in result.unsafe)
-                            + "; those widths are kept from those layers")
+                self._outlier_event(result.unsafe, "")
             if result is not None and self.config.guard:
                 fired = self._noise_guard(result.added, layers, fallback_g2)
                 if not fired and result.tail:
-                    fired = self._raise_bits(layers, fallback_g2, 1.0, "a replay of the allocation in use "
-                                             "gave an absurd gradient (NOTE [ Robust measurements ])")
+                    fired = self._tail_guard(layers, fallback_g2, "")
         if self.config.guard and not fired and self._guard.loss_turning(self._step):
             fired = self._raise_bits(layers, fallback_g2, 0.5, "the loss turned back up against its history")
         self._guard_fired = fired
         return fired
+
+    def _outlier_event(self, unsafe: Iterable[tuple[str, int]], where: str) -> None:
+        """Report the (layer, bits) pairs that gave an absurd draw (NOTE [ Robust measurements ]);
+        ``where``: added after the pairs (" (on at least one rank)" under a process group)."""
+        self._event("calibration_outlier", "absurd added variance measured for "
+                    + ", ".join(f"{n} at {b} bits" for n, b in unsafe)
+                    + f"{where}; those widths are kept from those layers")
+
+    def _tail_guard(self, layers: list[LayerState], fallback_g2: float, where: str) -> bool:
+        """Raise bits after a replay of the allocation in use gave an absurd gradient."""
+        return self._raise_bits(layers, fallback_g2, 1.0, f"a replay of the allocation in use gave an absurd "
+                                f"gradient{where} (NOTE [ Robust measurements ])")
 
     def _noise_guard(self, added: float | None, layers: list[LayerState], fallback_g2: float) -> bool:
         reference = self._calibration.reference()

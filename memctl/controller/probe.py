@@ -97,8 +97,8 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         by_name = {s.name: s for s in layers}
         # NOTE [ Probe cost ]: while layers are unmeasured, as many of them as fixed replays (those
         # run, the two halves, one per uniform width)
-        unmeasured = sum(1 for s in layers if not calibration.measured.get(s.name))
-        least = min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2), unmeasured)
+        least = min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2),
+                    calibration.count_unmeasured(layers))
         limit = calibration.allowance(train_s, result.replays + 1, max(least, 1))
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)

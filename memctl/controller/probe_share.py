@@ -198,16 +198,13 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     for name, bits in share.unsafe.items():  # NOTE [ Robust measurements ], as run_probe marks them
         cal.mark_unsafe(name, bits)
     if share.unsafe:
-        ctl._event("calibration_outlier", "absurd added variance measured for "
-                   + ", ".join(f"{n} at {b} bits" for n, b in sorted(share.unsafe.items()))
-                   + " (on at least one rank); those widths are kept from those layers")
+        ctl._outlier_event(sorted(share.unsafe.items()), " (on at least one rank)")
     ctl._guard.floors = dict(share.floors)
     fired = False
     if ctl.config.guard and share.added is not None and layers:
         fired = ctl._noise_guard(share.added, layers, fallback_g2)
     if ctl.config.guard and not fired and share.tail and layers:
-        fired = ctl._raise_bits(layers, fallback_g2, 1.0, "a replay of the allocation in use gave an absurd "
-                                "gradient on at least one rank (NOTE [ Robust measurements ])")
+        fired = ctl._tail_guard(layers, fallback_g2, " on at least one rank")
     if ctl.config.guard and not fired and share.loss_turning and layers:
         fired = ctl._raise_bits(layers, fallback_g2, 0.5,
                                 "the loss turned back up against its history (on at least one rank)")
