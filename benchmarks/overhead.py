@@ -306,6 +306,11 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
                 inner = calls
             result[f"{name}_calls"] = calls / args.steps
             result[f"{name}_ms"] = (c.seconds - marks[name] - cost * inner) / args.steps * 1e3
+        # the first probe runs at step 0, inside the warm-up: the whole run's figure as well
+        total = args.warmup + args.steps
+        result["probe_calls_run"] = clocks["probe"].calls / total
+        probe_s = clocks["probe"].seconds - cost * clocks["kernels_probe"].calls
+        result["probe_ms_run"] = probe_s / total * 1e3
         result["saved_per_step"] = (clocks["pack"].calls - packs) / args.steps
         result["timer_us"] = cost * 1e6
     if controller is not None:
@@ -369,7 +374,9 @@ def _report(model: str, runs: dict[str, dict[str, Any]]) -> None:
           f"(calibration on) {probe:.1f}")
     print(f"  with calibration on (the default): probes {pr['probe_calls']:.2f} per step, "
           f"{pr['probe_ms']:.3f} ms per step (kernels {pr['kernels_probe_ms']:.3f}); "
-          f"step boundary without them {pr['step_ms'] - pr['probe_ms']:.3f} ms")
+          f"step boundary without them {pr['step_ms'] - pr['probe_ms']:.3f} ms; over the whole run "
+          f"with the warm-up: {pr['probe_calls_run']:.2f} probes per step, {pr['probe_ms_run']:.3f} ms "
+          f"per step")
 
 
 def _training(name: str, **options: Any) -> tuple[Any, Callable[[int], None]]:

@@ -29,6 +29,12 @@ def test_overhead_benchmark_prints_the_per_phase_split() -> None:
     split = next((line for line in lines if line.strip().startswith("split (CPU ms per step):")), None)
     assert split is not None, out.stdout
     assert "quantize encode" in split and "region codes in Python" in split and "everything else" in split
+    # the first probe runs at step 0, in the warm-up: the whole run's figure counts it
+    probes = next((line for line in lines if "with calibration on (the default)" in line), None)
+    assert probes is not None, out.stdout
+    whole = probes.split("over the whole run with the warm-up: ")[1]
+    assert float(whole.split(" probes per step")[0]) >= 0.33, probes  # 1 of 3 steps, printed to 2 places
+    assert float(whole.split(", ")[1].split(" ms")[0]) > 0, probes
 
 
 @pytest.mark.slow
