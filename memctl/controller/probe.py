@@ -99,7 +99,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         # run, the two halves, one per uniform width)
         least = min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2),
                     calibration.count_unmeasured(layers))
-        limit = calibration.allowance(train_s, result.replays + 1, max(least, 1))
+        limit = calibration.allowance(train_s, result.replays + 1, least)  # itself at least 1
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
         # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
