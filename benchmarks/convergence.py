@@ -23,8 +23,9 @@ validation loss and its difference from plain's (same seed), accuracy (digits) o
 byte (text), the activation ratio memctl reports, the same ratio measured outside memctl's
 statistics (as in ``benchmarks/fidelity.py``: the storages a plain ``saved_tensors_hooks``
 counter sees in the plain run against the real buffer sizes of the records memctl's pack
-hook returned, at the last step), the average bits, guard events, and the wall time of
-the training loop. Prints figures, asserts nothing; progress goes to stderr.
+hook returned, at the last step, the parameters and the batch left out of both), the
+average bits, guard events, and the wall time of the training loop. Prints figures, asserts
+nothing; progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -225,13 +226,15 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
             packed_total[0] = 0
             collect[0] = True
         if config in ("plain", *JITTER) and last:
+            counter.hold(x, y)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = task.loss(x, y)
         else:
             loss = task.loss(x, y)
         if last and records:
             collect[0] = False
-            packed_total[0] = sum(fid._record_bytes(r, params, packed_seen) for r in records)
+            held = params | fid._storages(x, y)
+            packed_total[0] = sum(fid._record_bytes(r, held, packed_seen) for r in records)
             records.clear()
         loss.backward()
         if jitter is not None:

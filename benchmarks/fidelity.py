@@ -31,7 +31,8 @@ first steps', or ``evalN`` not below the start), the activation ratio memctl rep
 / packed bytes), the same ratio measured from outside memctl's statistics (bytes of the
 distinct storages a plain ``saved_tensors_hooks`` counter sees in the plain run, against
 the real buffer sizes of the records memctl's pack hook returned in the memctl run, both
-at the last step), the process's peak RSS, and the wall time of the training loop. Prints
+at the last step, the parameters' and the batch's storages left out of both: the model and
+the loop hold those anyway), the process's peak RSS, and the wall time of the training loop. Prints
 figures, asserts nothing; progress goes to stderr.
 
 ``--option NAME=VALUE`` (repeatable) passes a ``Controller`` keyword to every memctl
@@ -239,12 +240,22 @@ def _flat_grad(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
 
 
+def _storages(*values: Any) -> set[int]:
+    """Storages of the tensors among ``values`` (the batch the loop holds)."""
+    return {v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)}
+
+
 class _PlainCounter:
-    """A plain ``saved_tensors_hooks`` that keeps what autograd saves and counts its storages."""
+    """A plain ``saved_tensors_hooks`` that keeps what autograd saves and counts its storages,
+    but the parameters' and the batch's: memory the model and the loop hold anyway (the batch
+    once :meth:`hold` has named it)."""
 
     def __init__(self, model: nn.Module) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.storages: dict[int, int] = {}
+
+    def hold(self, *values: Any) -> None:
+        self._params |= _storages(*values)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
@@ -370,13 +381,15 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             packed_total[0] = 0
             collect[0] = True
         if config in _PLAIN and last:
+            counter.hold(x, y)
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = loss_of(spec, model, x, y)
         else:
             loss = loss_of(spec, model, x, y)
         if last and records:
             collect[0] = False
-            packed_total[0] = sum(_record_bytes(r, params, packed_seen) for r in records)
+            held = params | _storages(x, y)
+            packed_total[0] = sum(_record_bytes(r, held, packed_seen) for r in records)
             records.clear()
         loss.backward()
         opt.step()
