@@ -1,7 +1,7 @@
 """Whole-model weight-gradient cosine against plain PyTorch, per piecewise activation.
 
 Run ``python benchmarks/activations.py [--acts relu,hardswish,...] [--seeds 5] [--bits 8,4,2]
-[--mode derived|no-chain|inputs|separate|exact-act]``.
+[--mode derived|no-chain|image|separate|exact-act]``.
 
 The net is two conv -> BatchNorm -> activation blocks, a global mean and a linear head
 (16 images 3x16x16, 10 classes), the layout of ``tests/controller/test_regions.py``. For
@@ -14,7 +14,8 @@ ratio memctl reports. Modes:
                NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py,
                NOTE [ Model inputs ] in inputs.py)
     no-chain   as shipped, but batch-norm outputs keep their own records
-    inputs     as shipped, with keep_inputs=True: the image kept by reference (NOTE [ Model inputs ])
+    image      as shipped, with keep_inputs=False: the image compressed at b bits (the default
+               before NOTE [ Model inputs ]; every other mode keeps it by reference)
     separate   the batch norm's input, the activation's input and its output as separate records
                (the path before both)
     exact-act  the activation's input and output kept exact, everything else at b bits
@@ -52,7 +53,7 @@ ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
 
 
 OPTIONS: dict[str, Any] = {}
-"""Extra Controller options of the mode (``--mode inputs``)."""
+"""Extra Controller options of the mode (``--mode image``)."""
 
 
 class ConvNet(nn.Module):
@@ -142,8 +143,8 @@ def train(steps: int, bits: int | None) -> tuple[float, float, float]:
 def _set_mode(mode: str) -> None:
     if mode == "derived":
         return
-    if mode == "inputs":
-        OPTIONS["keep_inputs"] = True
+    if mode == "image":
+        OPTIONS["keep_inputs"] = False
         return
     packing.chain_of = lambda t: None  # type: ignore[assignment]
     if mode == "no-chain":
@@ -190,7 +191,7 @@ def main() -> None:
     parser.add_argument("--acts", default=",".join(ACTIVATIONS))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--bits", default="8,4,2")
-    parser.add_argument("--mode", choices=("derived", "no-chain", "inputs", "separate", "exact-act"),
+    parser.add_argument("--mode", choices=("derived", "no-chain", "image", "separate", "exact-act"),
                         default="derived")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also train a MobileNet-style net this many steps, plain and at 2 bits")

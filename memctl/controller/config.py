@@ -59,7 +59,7 @@ class ControllerConfig:
             ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
             ``None``: no floor.
         keep_inputs: save the model's own input tensors by reference instead of compressing
-            them (NOTE [ Model inputs ]); off by default.
+            them (NOTE [ Model inputs ]); on by default.
         pause_collector: pause Python's automatic garbage collection from a forward's start
             to its backward's end (NOTE [ Collector paused while records live ]); on by
             default, and only while the collector was enabled.
@@ -114,7 +114,7 @@ class ControllerConfig:
     attention_bits: int | None = 8
     attention_value_bits: int | None = 4
     norm_bits: int | None = 4
-    keep_inputs: bool = False
+    keep_inputs: bool = True
     pause_collector: bool = True
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE

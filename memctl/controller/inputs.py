@@ -10,25 +10,28 @@ every position, and at 2 bits its quantisation noise was as large as the gradien
 on the conv nets of ``benchmarks/activations.py`` (relative error about 1 on the first
 convolution's weight gradient, the largest error term of the whole model).
 
-With ``keep_inputs=True`` (off by default), a float tensor saved while the model's
-forward runs, which is one of the forward's arguments (or shares its storage: a view of
-one), has no ``grad_fn`` and needs no gradient, is kept as a reference, as plain PyTorch
-keeps it, with autograd's in-place check (NOTE [ In-place checks ] in versions.py). Like
-a parameter it is memory the caller owns: it is counted as saved as it is (``passed``),
-not in the layer's raw or packed bytes. An input that needs a gradient (adversarial
-training) or is computed inside the forward (a normalisation, a ``.float()``) is not the
-caller's tensor and is compressed as before. What it costs: when the caller drops the
-batch before the backward (a batch built by ``model(x.to(device))`` and nothing else),
-memctl holds it whole, as plain PyTorch does.
+With ``keep_inputs=True`` (the default), a tensor saved while the model's forward runs,
+which is one of the forward's arguments (or shares its storage: a view of one), has no
+``grad_fn`` and needs no gradient, is kept as a reference, as plain PyTorch keeps it, with
+autograd's in-place check (NOTE [ In-place checks ] in versions.py). Images and features
+for their noise; token ids, masks and labels because a lossless copy of a tensor the
+caller holds only adds memory. Like a parameter it is memory the caller owns: it is
+counted as saved as it is (``passed``), not in the layer's raw or packed bytes. An input
+that needs a gradient (adversarial training) or is computed inside the forward (a
+normalisation, a ``.float()``) is not the caller's tensor and is compressed as before.
+What it costs: when the caller drops the batch before the backward (a batch built by
+``model(x.to(device))`` and nothing else), memctl holds it whole, as plain PyTorch does;
+``keep_inputs=False`` compresses it instead, at the noise above.
 
-Why it is off by default: ``benchmarks/fidelity.py`` counts memctl's records from the
-outside, and there the kept image counts whole (ResNet-18 at 64x64: 11.0x instead of
-15.3x at ``bits=2``, although the process holds less); and the calibration's per-width
-factor for unmeasured layers moved with it (ResNet-18's default policy kept 4 bits
-almost everywhere, 8.1x instead of 11.3x, over 20 steps in which one layer was
-measured): the closed-form shares of the other layers rose about 40x once the first
-convolution, whose share had dominated, no longer had a record. Turning it on by
-default waits for that estimator not to depend on it.
+It was off by default until the calibration measured enough layers early. With the image
+kept, the closed forms the per-width factor of unmeasured layers is spread over lose the
+first convolution, which had dominated them, and the factor rose ~40x: when a probe
+measured one layer, ResNet-18's default policy kept 4 bits almost everywhere over 20
+steps (8.1x instead of 11.3x). Since each probe measures at least as many unmeasured
+layers as it has fixed replays (NOTE [ Probe cost ] in calibration.py), the default row
+is 11.0x, and on the digits of ``memctl demo`` over 300 steps ``bits=2`` went from
++40% / -8% / +6% of plain's validation loss (seeds 0, 1, 2) to -3.4% / -0.3% / -0.2%
+(benchmarks/README.md, ``fidelity.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class ModelInputs:
     def set(self, values: Iterable[Any]) -> None:
         """The forward's arguments (tensors, and tensors inside tuples, lists and dicts)."""
         self._ptrs = {t.untyped_storage().data_ptr() for t in _tensors(values, 3)
-                      if t.is_floating_point() and not t.requires_grad and t.layout == torch.strided}
+                      if not t.requires_grad and t.layout == torch.strided}
         self._ptrs.discard(0)
 
     def clear(self) -> None:

@@ -50,7 +50,8 @@ def test_budget_put_over_http_applies_at_next_step() -> None:
         assert after["allocation"]["step"] == 1  # re-solved at once at that boundary
         layers = _call(handle.url + "/v1/layers")
         rows = layers["layers"] if isinstance(layers, dict) else layers
-        assert any(r["name"] == "stem" for r in rows)
+        # (the stem saves only the image, kept by reference: NOTE [ Model inputs ])
+        assert any(r["name"] == "bn" for r in rows), [r["name"] for r in rows]
         metrics = urllib.request.urlopen(handle.url + "/metrics", timeout=10).read().decode()
         assert "memctl_budget_bytes" in metrics
         history = _call(handle.url + "/v1/history")

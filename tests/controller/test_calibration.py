@@ -152,7 +152,9 @@ def test_a_probe_with_layers_unmeasured_measures_as_many_as_its_fixed_replays() 
 
 def test_the_first_probe_measures_every_layer_of_a_small_model() -> None:
     """With a share too small for more than one layer, the first probe still measures each of the
-    model's four layers (once it measured one a probe, and the quarter share lasted four probes)."""
+    model's layers with a record (once it measured one a probe, and the quarter share lasted four
+    probes): three of its four, the first saving only the model's input, kept by reference (NOTE [
+    Model inputs ])."""
     torch.manual_seed(0)
     model = NoisyNet(12.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -161,4 +163,4 @@ def test_the_first_probe_measures_every_layer_of_a_small_model() -> None:
     cal = ctl._calibration
     ctl.detach()
     assert cal.probes == 1 and cal.complete, (cal.probes, sorted(cal.measured))  # complete: every layer
-    assert len(cal.measured) >= 4 and all(2 in mine for mine in cal.measured.values()), cal.measured
+    assert len(cal.measured) >= 3 and all(2 in mine for mine in cal.measured.values()), cal.measured

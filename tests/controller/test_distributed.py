@@ -102,7 +102,9 @@ def _ddp_run(rank: int, out: dict[str, Any], sync: bool = True, base_port: int =
     torch.manual_seed(0)
     model = DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options(sync_ranks=sync))
+    # the ranks' inputs differ in scale: the first layer's record (the input, compressed here)
+    # shows each rank its own value range
+    ctl = memctl.Controller(model, opt, budget=BUDGET, **_options(sync_ranks=sync, keep_inputs=False))
     # Every rank serves, at base_port + LOCAL_RANK.
     server = ctl.serve(port=base_port, port_per_rank=True) if sync else None
     steps = []

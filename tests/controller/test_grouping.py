@@ -60,8 +60,10 @@ def _controller(groups: bool | None = True, **kw: Any) -> memctl.Controller:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     if groups is not None:
         kw["calibration_groups"] = groups
+    # fc1's saved input is the model's: compressed here, as the subject is a linear layer's input
     return memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                             calibration_fraction=1000.0, calibration_max_replays=4, **kw)
+                             calibration_fraction=1000.0, calibration_max_replays=4, keep_inputs=False,
+                             **kw)
 
 
 def test_linear_inputs_are_measured_together_and_agree_with_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,7 +129,7 @@ def test_a_prior_footprint_that_does_not_hold_is_dropped(monkeypatch: pytest.Mon
     model = _SharedInput()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                            calibration_groups=True,
+                            calibration_groups=True, keep_inputs=False,  # x: a's record, shared by b
                             calibration_fraction=1000.0, calibration_max_replays=4)
     g = torch.Generator().manual_seed(0)
     for _ in range(5):

