@@ -24,13 +24,17 @@ What it costs: when the caller drops the batch before the backward (a batch buil
 ``keep_inputs=False`` compresses it instead, at the noise above.
 
 It was off by default until the calibration measured enough layers early. With the image
-kept, the closed forms the per-width factor of unmeasured layers is spread over lose the
-first convolution, which had dominated them, and the factor rose ~40x: when a probe
-measured one layer, ResNet-18's default policy kept 4 bits almost everywhere over 20
-steps (8.1x instead of 11.3x). Since each probe measures at least as many unmeasured
-layers as it has fixed replays (NOTE [ Probe cost ] in calibration.py), the default row
-is 11.0x, and on the digits of ``memctl demo`` over 300 steps ``bits=2`` went from
-+40% / -8% / +6% of plain's validation loss (seeds 0, 1, 2) to -3.4% / -0.3% / -0.2%
+kept, the closed forms the per-width factor of unmeasured layers is spread over (NOTE [
+Unmeasured layers ] in calibration.py) lose the first convolution, which had dominated
+them, and the factor rose ~40x: when a probe measured one layer, ResNet-18's default policy
+kept 4 bits almost everywhere over 20 steps (8.1x instead of 11.3x). Since each probe
+measures at least as many unmeasured layers as it has fixed replays (NOTE [ Probe cost ]),
+its default row is 11.0x, and on the digits of ``memctl demo`` over 300 steps ``bits=2``
+went from +40% / -8% / +6% of plain's validation loss (seeds 0, 1, 2) to -3.4% / -0.3% /
+-0.2%. What is left of it: on ViT-Tiny (49 layers, 7 measured by the first probe) the image
+had held 96% of the unmeasured closed forms and diluted every other layer's share 24x, too
+low by a median 5x at 2 bits; without it the share is too high (a median 7x), and the
+default policy compresses 6.8x instead of 9.1x until later probes measure more layers
 (benchmarks/README.md, ``fidelity.py``).
 """
 
