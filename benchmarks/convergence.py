@@ -196,7 +196,6 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
     model = task.model
     model.train()
     counter = fid._PlainCounter(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     packed_seen: set[int] = set()
     packed_total = [0]
     # the last step's records, measured once its forward is over: a record can grow after
@@ -225,16 +224,15 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
             packed_seen.clear()
             packed_total[0] = 0
             collect[0] = True
-        if config in ("plain", *JITTER) and last:
             counter.hold(x, y)
+        if config in ("plain", *JITTER) and last:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = task.loss(x, y)
         else:
             loss = task.loss(x, y)
         if last and records:
             collect[0] = False
-            held = params | fid._storages(x, y)
-            packed_total[0] = sum(fid._record_bytes(r, held, packed_seen) for r in records)
+            packed_total[0] = sum(fid._record_bytes(r, counter.held, packed_seen) for r in records)
             records.clear()
         loss.backward()
         if jitter is not None:

@@ -247,19 +247,20 @@ def _storages(*values: Any) -> set[int]:
 
 class _PlainCounter:
     """A plain ``saved_tensors_hooks`` that keeps what autograd saves and counts its storages,
-    but the parameters' and the batch's: memory the model and the loop hold anyway (the batch
-    once :meth:`hold` has named it)."""
+    but those in :attr:`held`: the parameters', and the batch's once :meth:`hold` has named
+    it, memory the model and the loop hold anyway (memctl's records are counted against the
+    same set, by :func:`_record_bytes`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.held = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.storages: dict[int, int] = {}
 
     def hold(self, *values: Any) -> None:
-        self._params |= _storages(*values)
+        self.held |= _storages(*values)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._params:
+        if ptr not in self.held:
             self.storages[ptr] = t.untyped_storage().nbytes()
         return t
 
@@ -283,7 +284,7 @@ def _collect_records(ctl: Any, records: list[Any], collect: list[bool]) -> None:
     ctl._scope._pack = counting_pack
 
 
-def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
+def _record_bytes(saved: Any, held: set[int], seen: set[int]) -> int:
     """Real bytes held by one record memctl's pack hook returned (each record once)."""
     saved = getattr(saved, "alias_of", saved)  # the same record under another shape
     if id(saved) in seen:
@@ -292,14 +293,14 @@ def _record_bytes(saved: Any, params: set[int], seen: set[int]) -> int:
     if not isinstance(saved, torch.Tensor) and not hasattr(saved, "data"):
         saved = saved.tensor  # a reference to a tensor saved as it is (memctl's SavedRef)
     if isinstance(saved, torch.Tensor):
-        return 0 if saved.untyped_storage().data_ptr() in params else saved.untyped_storage().nbytes()
+        return 0 if saved.untyped_storage().data_ptr() in held else saved.untyped_storage().nbytes()
     data = saved.data
     regions = sum(int(r.nbytes) for r in getattr(saved, "regions", ()))
     if hasattr(data, "fn") and hasattr(data, "source"):
         # a record recomputed from others (memctl's Derived): its bytes are its roots', which
         # the pack hook may never have returned itself (a batch norm's normalised input)
         roots = (data.source, *getattr(data, "others", ()))
-        return regions + sum(_record_bytes(r, params, seen) for r in roots)
+        return regions + sum(_record_bytes(r, held, seen) for r in roots)
     total = data.untyped_storage().nbytes() if isinstance(data, torch.Tensor) else int(data.nbytes)
     return total + regions
 
@@ -351,7 +352,6 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
     # its pack returned (NOTE [ Bit floors ], NOTE [ Outputs recomputed from the input ])
     records: list[Any] = []
     collect = [False]
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     if config not in _PLAIN:
         options: dict[str, Any] = {"monitor_interval_s": 0}
         if config == "bits2":
@@ -380,16 +380,15 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             packed_seen.clear()
             packed_total[0] = 0
             collect[0] = True
-        if config in _PLAIN and last:
             counter.hold(x, y)
+        if config in _PLAIN and last:
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 loss = loss_of(spec, model, x, y)
         else:
             loss = loss_of(spec, model, x, y)
         if last and records:
             collect[0] = False
-            held = params | _storages(x, y)
-            packed_total[0] = sum(_record_bytes(r, held, packed_seen) for r in records)
+            packed_total[0] = sum(_record_bytes(r, counter.held, packed_seen) for r in records)
             records.clear()
         loss.backward()
         opt.step()
