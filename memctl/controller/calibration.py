@@ -18,13 +18,33 @@ compressing that layer at b bits adds, measured. A measurement is kept as a fact
 over the closed form at the time, so between measurements the estimate still follows
 the layer's gradient and range statistics:
 
-    V_l(b) = V_meas(l, b) · clip(√(P_l(b) / P_meas(l, b)), 1/2, 2)        P = closed form
+    V_l(b) = S · v(l, b) · clip(√(p_l(b) / p_meas(l, b)), 1/2, 2)        p = P / S, P = closed form
 
-with V_meas and P_meas means over the last few probes, outliers left out (one measurement
+with v and p_meas means over the last few probes of the measured value and of the closed
+form, each divided by its probe's ‖g‖² (NOTE [ Gradient scale ]), outliers left out (one measurement
 is one random draw: on BatchNorm inputs, whose error lands in few directions, single draws
 spread by up to 7x, and some draws are absurd: NOTE [ Robust measurements ]). The drift
 is damped and clipped because the closed form of a layer
 without parameters borrows the median output gradient, which can move the wrong way.
+
+NOTE [ Gradient scale ]
+What compressing a layer adds moves with the gradient's own size, and in the first tens of
+steps that moves fast and both ways (MobileNetV3 of ``benchmarks/fidelity.py``: the exact
+gradient's squared norm 8 -> 33 -> 11 over 20 steps; ViT-Tiny 74 -> 18 -> 4), while a layer's
+added variance over ‖g‖² stays within ~2-3x (MobileNetV3, six layers at 2 bits, steps 1-20).
+Means of raw values over the last five probes then mix draws taken at scales 10x apart. So a
+probe's values are stored over that probe's exact ‖g‖² (``record_reference`` comes first and
+sets the unit), the minibatch gradient's variance tr Var(g) likewise, and an estimate is the
+stored ratio times ``S``, an EMA of ‖g‖² over the probes (the last probe alone swings with one
+batch). The bound and the estimates then share one scale, and what the allocation compares
+is what the probes measured relative to the gradient, whenever they measured it. Between
+probes ``S`` holds still: the optimizer's gradient at a step boundary is taken at the weights
+before the step, the replay's after it (ten times apart after AdamW's first step on
+MobileNetV3), so it is no measure of the replay's scale. Measured (``fidelity.py --configs
+varcheck --steps 40``, CPU): ViT-Tiny's predictions made before each measurement of a pair
+measured before, median 274x -> 67x of the value; held-out widths within 2x 17/72 -> 40/72;
+MobileNetV3's held-out widths 0/48 -> 22/48. A state saved without a scale is converted
+with its own ‖g‖² EMA as the unit.
 
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
 (which holds per layer from 2 bits up within ~1.3x on the nets we measured; NOTE [
@@ -143,10 +163,13 @@ class Calibration:
     def __init__(self, config: ControllerConfig) -> None:
         self._config = config
         self.measured: dict[str, dict[int, Measurement]] = {}
-        self.grad_sq: float | None = None
-        """EMA of the exact gradient's squared norm at the probes."""
-        self.grad_noise: float | None = None
-        """EMA of tr Var(g), the minibatch gradient's own variance."""
+        self.scale: float | None = None
+        """EMA of the exact gradient's squared norm at the probes: what one stored unit of
+        added variance is worth now (NOTE [ Gradient scale ]); None before a probe."""
+        self._probe_unit: float | None = None
+        """The last probe's exact squared gradient norm, the unit its values are stored in."""
+        self._noise: float | None = None
+        """EMA of tr Var(g), the minibatch gradient's own variance, in units of :attr:`scale`."""
         self.added: float | None = None
         """Added variance of the allocation in use, measured at the last probe."""
         self.added_predicted: float | None = None
@@ -174,11 +197,27 @@ class Calibration:
         self._disabled = True
 
     # -- measurements ---------------------------------------------------------------
+    def unit(self) -> float:
+        """What one stored unit of added variance is now (NOTE [ Gradient scale ])."""
+        return self.scale if self.scale else 1.0
+
+    @property
+    def grad_sq(self) -> float | None:
+        """EMA of the exact gradient's squared norm at the probes."""
+        return self.scale
+
+    @property
+    def grad_noise(self) -> float | None:
+        """tr Var(g) at the probes: an EMA of its ratio to ‖g‖², at today's :attr:`scale`."""
+        return None if self._noise is None else self._noise * self.unit()
+
     def record(self, layer: str, bits: int, value: float, predicted: float, step: int) -> None:
         """Fold one probe's value into the layer's robust mean over the last ``_WINDOW`` probes
         (NOTE [ Robust measurements ]); a non-finite value is not a measurement."""
         if not (math.isfinite(value) and value >= 0):
             return
+        unit = self._probe_unit or 1.0  # NOTE [ Gradient scale ]
+        value, predicted = value / unit, predicted / unit
         mine = self.measured.setdefault(layer, {})
         old = mine.get(bits)
         draws = ((old.draws or (old.value,)) if old is not None else ()) + (value,)
@@ -192,16 +231,19 @@ class Calibration:
         self.unsafe[layer] = max(self.unsafe.get(layer, 0), bits)
 
     def record_reference(self, grad_sq: float | None, noise: float | None) -> None:
-        if grad_sq is not None and math.isfinite(grad_sq):
-            self.grad_sq = _ema(self.grad_sq, grad_sq)
+        """A probe's exact squared gradient norm and tr Var(g); call it before the probe's layer
+        values are recorded: its ‖g‖² is their unit (NOTE [ Gradient scale ])."""
+        if grad_sq is not None and math.isfinite(grad_sq) and grad_sq > 0:
+            self._probe_unit = grad_sq
+            self.scale = _ema(self.scale, grad_sq)
         if noise is not None and math.isfinite(noise) and noise > 0:
-            self.grad_noise = _ema(self.grad_noise, noise)
+            self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
 
     def reference(self) -> float | None:
         """The variance the bound is relative to: tr Var(g) if measured, else ‖g‖²."""
-        if self.grad_noise:
-            return self.grad_noise
-        return self.grad_sq if self.grad_sq else None
+        if self._noise:
+            return self._noise * self.unit()
+        return self.scale
 
     # -- the model ----------------------------------------------------------------------
     def estimate(self, state: LayerState, fallback_g2: float, bits: float) -> float:
@@ -211,18 +253,19 @@ class Calibration:
         b = int(bits)
         p = closed_form(state, fallback_g2, b)
         mine = self.measured.get(state.name, {})
+        unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
         pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
             scale, closed_scale = pooled
             step = float(2**b - 1) ** 2
-            return scale / step * _drift(p, closed_scale / step)
+            return scale / step * _drift(p / unit, closed_scale / step) * unit
         if b in mine:
             m = mine[b]
-            return m.value * _drift(p, m.closed_form)
+            return m.value * _drift(p / unit, m.closed_form) * unit
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near))
+            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near)) * unit
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
@@ -360,7 +403,7 @@ class Calibration:
         return {
             "variance_predicted": {str(b): self.estimate(state, fallback_g2, b) for b in choices},
             "variance_closed_form": {str(b): closed_form(state, fallback_g2, b) for b in choices},
-            "variance_measured": {str(b): m.value
+            "variance_measured": {str(b): m.value * self.unit()
                                   for b, m in sorted(self.measured.get(state.name, {}).items())},
         }
 
@@ -370,8 +413,8 @@ class Calibration:
                                       list(m.closed_draws)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
             "unsafe": dict(self.unsafe),
-            "grad_sq": self.grad_sq,
-            "grad_noise": self.grad_noise,
+            "scale": self.scale,
+            "grad_noise": self._noise,
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
         }
 
@@ -388,13 +431,30 @@ class Calibration:
                 }
         unsafe = state.get("unsafe") or {}
         self.unsafe = {str(k): int(v) for k, v in unsafe.items()} if isinstance(unsafe, dict) else {}
-        g2, noise = state.get("grad_sq"), state.get("grad_noise")
-        self.grad_sq = float(g2) if isinstance(g2, int | float) else None
-        self.grad_noise = float(noise) if isinstance(noise, int | float) else None
+        scale, noise = state.get("scale"), state.get("grad_noise")
+        self._noise = float(noise) if isinstance(noise, int | float) else None
+        self.scale = float(scale) if isinstance(scale, int | float) and scale > 0 else None
+        g2 = state.get("grad_sq")
+        if "scale" not in state and isinstance(g2, int | float) and g2 > 0:
+            # saved before NOTE [ Gradient scale ]: absolute values; the probes' ‖g‖² is their unit
+            self._to_units(float(g2))
+        self._probe_unit = self.scale
         widths = state.get("width_factors") or {}
         self.width_factors = {}
         if isinstance(widths, dict):
             self.width_factors = {int(b): float(f) for b, f in widths.items()}
+
+
+    def _to_units(self, unit: float) -> None:
+        """Express absolute measurements in units of ``unit`` (a state saved without a scale)."""
+        self.measured = {
+            name: {b: Measurement(m.value / unit, m.closed_form / unit, m.step, m.count,
+                                  tuple(d / unit for d in m.draws), tuple(d / unit for d in m.closed_draws))
+                   for b, m in mine.items()}
+            for name, mine in self.measured.items()
+        }
+        self._noise = None if self._noise is None else self._noise / unit
+        self.scale = unit
 
 
 def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:

@@ -81,9 +81,6 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             del used
             result.tail = any(absurd(d, scale) for d in draws)
             result.added = robust_value(draws)
-            result.predicted = sum(
-                calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers
-            )
         batch = _batch(capture, config.batch_dim)
         if batch is not None and batch >= 2:
             h = batch // 2
@@ -91,8 +88,10 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             gb = replayer.gradient(model, capture, exact, seed + 3, part=(h, batch - h))
             if ga is not None and gb is not None:
                 result.noise = float((ga - gb).square().sum())
-        if record:
+        if record:  # before any layer value: this probe's ‖g‖² is their unit (NOTE [ Gradient scale ])
             calibration.record_reference(result.grad_sq, result.noise)
+        if result.added is not None:  # the model's prediction of it, before this probe's layer values
+            result.predicted = sum(calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers)
         scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
         # NOTE [ Probe cost ]: while layers are unmeasured, as many of them as fixed replays (those

@@ -179,6 +179,7 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     layers: list[LayerState] = [s for s in ctl._layers.values() if s.numels]
     fallback_g2 = median_grad_sq(layers)
     cal = ctl._calibration
+    cal.record_reference(share.grad_sq, share.noise)  # first, as run_probe does (NOTE [ Gradient scale ])
     # The prediction of the allocation in use, before this probe's measurements (as run_probe does).
     predicted = sum(cal.estimate(s, fallback_g2, ctl._choice_for(s.name)[0]) for s in layers)
     by_name = {s.name: s for s in layers}
@@ -186,7 +187,6 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
         s = by_name.get(name)
         if s is not None:
             cal.record(name, bits, value, closed_form(s, fallback_g2, bits), ctl._step)
-    cal.record_reference(share.grad_sq, share.noise)
     if share.uniform and cal.unmeasured(layers):  # as run_probe fits them, after the layers
         for bits, value in share.uniform:
             cal.fit_width(bits, value, layers, fallback_g2)

@@ -49,6 +49,40 @@ def test_width_factors_survive_state_dict() -> None:
     assert again.width_factors == cal.width_factors and again.width_factors
 
 
+def test_measurements_are_kept_relative_to_their_probes_gradient_scale() -> None:
+    """NOTE [ Gradient scale ]: draws taken at gradient scales 10x apart are combined as ratios,
+    and the estimate, the bound's reference and the report follow the probes' scale."""
+    cal = Calibration(ControllerConfig())
+    a = _layer("a", 1.0, grad_sq=1.0)
+    p = closed_form(a, 1.0, 2)
+    cal.record_reference(10.0, 5.0)
+    cal.record("a", 2, 0.2, p, step=0)  # 2% of the probe's squared gradient norm
+    assert math.isclose(cal.estimate(a, 1.0, 2), 0.2, rel_tol=1e-9)
+    cal.record_reference(100.0, 50.0)  # the gradient grew 10x, the layer's value and closed form with it
+    cal.record("a", 2, 2.0, 10 * p, step=10)
+    scale = 0.5 * 10.0 + 0.5 * 100.0  # the probes' EMA
+    assert cal.grad_sq == scale
+    a.ema_grad_sq = scale / 10.0  # the closed form where the scale is: no drift of its own
+    assert math.isclose(cal.estimate(a, 1.0, 2), 0.02 * scale, rel_tol=1e-9)
+    assert math.isclose(cal.reference() or 0.0, 0.5 * scale, rel_tol=1e-9)
+    assert math.isclose(cal.report(a, 1.0)["variance_measured"]["2"], 0.02 * scale, rel_tol=1e-9)
+    # raw values would have been averaged as 0.2 and 2.0, whatever the scale today
+    again = Calibration(ControllerConfig())
+    again.load_state_dict(cal.state_dict())
+    assert math.isclose(again.estimate(a, 1.0, 2), cal.estimate(a, 1.0, 2), rel_tol=1e-9)
+    # a state saved before the scale existed held absolute values: its ‖g‖² EMA is their unit
+    old = cal.state_dict()
+    old.pop("scale")
+    old["grad_sq"] = 20.0
+    old["measured"] = {"a": {"2": [0.4, 2 * p, 10, 2, [0.4], [2 * p]]}}
+    a.ema_grad_sq = 2.0
+    old["grad_noise"] = 8.0
+    legacy = Calibration(ControllerConfig())
+    legacy.load_state_dict(old)
+    assert math.isclose(legacy.estimate(a, 1.0, 2), 0.4, rel_tol=1e-9)
+    assert math.isclose(legacy.reference() or 0.0, 8.0, rel_tol=1e-9)
+
+
 def test_probes_fit_every_width_while_layers_are_unmeasured() -> None:
     torch.manual_seed(0)
     model = NoisyNet(12.0)
