@@ -474,6 +474,8 @@ class HookLifecycle(RuleBasedStateMachine):
         self.ctl: memctl.Controller | None = None
         self.retired: list[memctl.Controller] = []
         self.loss: torch.Tensor | None = None
+        self.stale = False
+        """Whether an optimizer step changed the weights the pending loss's graph saved."""
 
     def _batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, 64), torch.randint(0, 10, (n,))
@@ -487,16 +489,23 @@ class HookLifecycle(RuleBasedStateMachine):
     def forward(self, n: int) -> None:
         x, y = self._batch(n)
         self.loss = nn.functional.cross_entropy(self.model(x), y)
+        self.stale = False
 
     @precondition(lambda self: self.loss is not None)
     @rule()
     def backward(self) -> None:
         assert self.loss is not None
-        self.loss.backward()
+        if self.stale:  # plain PyTorch refuses it too; memctl says the same (NOTE [ In-place checks ])
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                self.loss.backward()
+        else:
+            self.loss.backward()
         self.loss = None
 
     @rule()
     def step(self) -> None:
+        if self.loss is not None and any(p.grad is not None for p in self.model.parameters()):
+            self.stale = True  # SGD moves only the parameters that have a gradient
         self.opt.step()
         self.opt.zero_grad()
 
