@@ -35,7 +35,7 @@ added variance over ‖g‖² stays within ~2-3x (MobileNetV3, six layers at 2 b
 Means of raw values over the last five probes then mix draws taken at scales 10x apart. So a
 probe's values are stored over that probe's exact ‖g‖² (``record_reference`` comes first and
 sets the unit), the minibatch gradient's variance tr Var(g) likewise, and an estimate is the
-stored ratio times ``S``, an EMA of ‖g‖² over the probes (the last probe alone swings with one
+stored ratio times ``S`` (``grad_sq``), an EMA of ‖g‖² over the probes (the last probe alone swings with one
 batch). The bound and the estimates then share one scale, and what the allocation compares
 is what the probes measured relative to the gradient, whenever they measured it. Between
 probes ``S`` holds still: the optimizer's gradient at a step boundary is taken at the weights
@@ -43,8 +43,8 @@ before the step, the replay's after it (ten times apart after AdamW's first step
 MobileNetV3), so it is no measure of the replay's scale. Measured (``fidelity.py --configs
 varcheck --steps 40``, CPU): ViT-Tiny's predictions made before each measurement of a pair
 measured before, median 274x -> 67x of the value; held-out widths within 2x 17/72 -> 40/72;
-MobileNetV3's held-out widths 0/48 -> 22/48. A state saved without a scale is converted
-with its own ‖g‖² EMA as the unit.
+MobileNetV3's held-out widths 0/48 -> 22/48. A state saved before this (no ``relative``
+mark) held absolute values; it is converted with its own ‖g‖² EMA as the unit.
 
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
 (which holds per layer from 2 bits up within ~1.3x on the nets we measured; NOTE [
@@ -163,13 +163,13 @@ class Calibration:
     def __init__(self, config: ControllerConfig) -> None:
         self._config = config
         self.measured: dict[str, dict[int, Measurement]] = {}
-        self.scale: float | None = None
+        self.grad_sq: float | None = None
         """EMA of the exact gradient's squared norm at the probes: what one stored unit of
         added variance is worth now (NOTE [ Gradient scale ]); None before a probe."""
         self._probe_unit: float | None = None
         """The last probe's exact squared gradient norm, the unit its values are stored in."""
         self._noise: float | None = None
-        """EMA of tr Var(g), the minibatch gradient's own variance, in units of :attr:`scale`."""
+        """EMA of tr Var(g), the minibatch gradient's own variance, over its probe's ‖g‖²."""
         self.added: float | None = None
         """Added variance of the allocation in use, measured at the last probe."""
         self.added_predicted: float | None = None
@@ -199,16 +199,11 @@ class Calibration:
     # -- measurements ---------------------------------------------------------------
     def unit(self) -> float:
         """What one stored unit of added variance is now (NOTE [ Gradient scale ])."""
-        return self.scale if self.scale else 1.0
-
-    @property
-    def grad_sq(self) -> float | None:
-        """EMA of the exact gradient's squared norm at the probes."""
-        return self.scale
+        return self.grad_sq if self.grad_sq else 1.0
 
     @property
     def grad_noise(self) -> float | None:
-        """tr Var(g) at the probes: an EMA of its ratio to ‖g‖², at today's :attr:`scale`."""
+        """tr Var(g) at the probes: an EMA of its ratio to ‖g‖², at today's :attr:`grad_sq`."""
         return None if self._noise is None else self._noise * self.unit()
 
     def record(self, layer: str, bits: int, value: float, predicted: float, step: int) -> None:
@@ -235,7 +230,7 @@ class Calibration:
         values are recorded: its ‖g‖² is their unit (NOTE [ Gradient scale ])."""
         if grad_sq is not None and math.isfinite(grad_sq) and grad_sq > 0:
             self._probe_unit = grad_sq
-            self.scale = _ema(self.scale, grad_sq)
+            self.grad_sq = _ema(self.grad_sq, grad_sq)
         if noise is not None and math.isfinite(noise) and noise > 0:
             self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
 
@@ -243,7 +238,7 @@ class Calibration:
         """The variance the bound is relative to: tr Var(g) if measured, else ‖g‖²."""
         if self._noise:
             return self._noise * self.unit()
-        return self.scale
+        return self.grad_sq
 
     # -- the model ----------------------------------------------------------------------
     def estimate(self, state: LayerState, fallback_g2: float, bits: float) -> float:
@@ -413,8 +408,9 @@ class Calibration:
                                       list(m.closed_draws)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
             "unsafe": dict(self.unsafe),
-            "scale": self.scale,
+            "grad_sq": self.grad_sq,
             "grad_noise": self._noise,
+            "relative": True,  # NOTE [ Gradient scale ]: values over their probe's ‖g‖²
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
         }
 
@@ -431,19 +427,17 @@ class Calibration:
                 }
         unsafe = state.get("unsafe") or {}
         self.unsafe = {str(k): int(v) for k, v in unsafe.items()} if isinstance(unsafe, dict) else {}
-        scale, noise = state.get("scale"), state.get("grad_noise")
+        g2, noise = state.get("grad_sq"), state.get("grad_noise")
+        self.grad_sq = float(g2) if isinstance(g2, int | float) and g2 > 0 else None
         self._noise = float(noise) if isinstance(noise, int | float) else None
-        self.scale = float(scale) if isinstance(scale, int | float) and scale > 0 else None
-        g2 = state.get("grad_sq")
-        if "scale" not in state and isinstance(g2, int | float) and g2 > 0:
+        if not state.get("relative") and self.grad_sq:
             # saved before NOTE [ Gradient scale ]: absolute values; the probes' ‖g‖² is their unit
-            self._to_units(float(g2))
-        self._probe_unit = self.scale
+            self._to_units(self.grad_sq)
+        self._probe_unit = self.grad_sq
         widths = state.get("width_factors") or {}
         self.width_factors = {}
         if isinstance(widths, dict):
             self.width_factors = {int(b): float(f) for b, f in widths.items()}
-
 
     def _to_units(self, unit: float) -> None:
         """Express absolute measurements in units of ``unit`` (a state saved without a scale)."""
@@ -454,7 +448,6 @@ class Calibration:
             for name, mine in self.measured.items()
         }
         self._noise = None if self._noise is None else self._noise / unit
-        self.scale = unit
 
 
 def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:

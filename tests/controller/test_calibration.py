@@ -72,7 +72,7 @@ def test_measurements_are_kept_relative_to_their_probes_gradient_scale() -> None
     assert math.isclose(again.estimate(a, 1.0, 2), cal.estimate(a, 1.0, 2), rel_tol=1e-9)
     # a state saved before the scale existed held absolute values: its ‖g‖² EMA is their unit
     old = cal.state_dict()
-    old.pop("scale")
+    old.pop("relative")
     old["grad_sq"] = 20.0
     old["measured"] = {"a": {"2": [0.4, 2 * p, 10, 2, [0.4], [2 * p]]}}
     a.ema_grad_sq = 2.0
