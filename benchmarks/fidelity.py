@@ -286,6 +286,8 @@ def _collect_records(ctl: Any, records: list[Any], collect: list[bool]) -> None:
 
 def _record_bytes(saved: Any, held: set[int], seen: set[int]) -> int:
     """Real bytes held by one record memctl's pack hook returned (each record once)."""
+    if type(saved).__name__ == "_Queued":  # a tensor whose pack waited in memctl's queue: its record
+        saved = saved.saved
     saved = getattr(saved, "alias_of", saved)  # the same record under another shape
     if id(saved) in seen:
         return 0

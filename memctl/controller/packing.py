@@ -45,6 +45,30 @@ by Python's garbage collector, survives its young-generation passes and makes th
 full collections (~0.1 s each with torch imported) come sooner. Where the rest of the
 time goes, per tensor and per step: ``benchmarks/overhead.py``.
 
+NOTE [ Packs queued in the forward ]
+Inside a module's forward, a tensor of fewer than :data:`~memctl.controller.batches.BATCH_BELOW`
+values is not packed when autograd saves it: the hook checks only what must be read then
+(parameters and inputs, FSDP's parameters, a backward running, the module it belongs to, its
+version) and queues it, and the queue is packed in order, in one loop, when it holds
+:data:`_QUEUE_RECORDS` tensors or :data:`~memctl.controller.batches.BATCH_VALUES` values, before
+a larger tensor is packed, when a module's forward returns (before its output is matched, NOTE
+[ Finding the op that saved a tensor ]), when the model's forward ends, and before any unpack.
+Autograd keeps a small handle (:class:`_Queued`) that leads to the record. Packed in a loop,
+the same work costs less than interleaved with the ops that save the tensors (presumably
+their kernels and allocator evict the Python path's code and data between two hooks): on the
+GRU of ``benchmarks/training.py``, whose 873 saved tensors a step are all small, steps with the
+queue on and off alternated in one process spent 3.9-5.5 ms less CPU time per forward with it
+(three processes; memctl adds ~50 ms a step there on that machine) for the same records and
+losses (benchmarks/README.md, ``overhead.py``). Nothing is packed differently: the
+records are made in the same order, from the same tensors and graph, with the layer and the
+version read when the tensor was saved (a tensor changed in place meanwhile is the case
+autograd's in-place check refuses anyway: the unpack raises it, NOTE [ In-place checks ]). The
+tensors wait at most one queue, the size of one of the batches they mostly join next and are
+held by anyway (NOTE [ Batched small records ] in batches.py). A node field read while the queue
+is packed that reaches a tensor still queued (none should: a record's graph was built before
+it was saved) gets the tensor itself, which is exact. Replays (NOTE [ Replay ]) pack at once:
+no module exit reaches their packer.
+
 NOTE [ ReLU masks ]
 Generalised to every op whose backward branches on its saved tensor: see
 NOTE [ Derivative regions ] in ``memctl/controller/regions.py``. A float tensor produced by
@@ -125,7 +149,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -133,7 +157,7 @@ from torch._utils import _flatten_dense_tensors
 
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
-from memctl.controller.batches import Batch, Batches, BatchRecord
+from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
@@ -199,6 +223,11 @@ _current_node = torch._C._current_autograd_node
 _Slot = tuple[str, int, int]
 """A record's layer, its place among the layer's packs in the forward, and its number of values."""
 
+_QUEUE_RECORDS = 64
+"""Tensors queued before the queue is packed (NOTE [ Packs queued in the forward ])."""
+_QUEUE_VALUES = BATCH_VALUES
+"""Values queued before the queue is packed: one batch's (NOTE [ Batched small records ])."""
+
 
 class Saved:
     """What the pack hook returns: a packed record, a copy, or a parameter reference."""
@@ -248,6 +277,24 @@ class Alias:
         self.shape = shape
 
 
+_Handle = Saved | SavedRef | Alias | torch.Tensor
+"""What :meth:`Packer.pack` makes of a tensor, once packed."""
+
+
+class _Queued:
+    """What autograd holds for a tensor whose pack waits in the queue (NOTE [ Packs queued in the
+    forward ]): the tensor and what was read when it was saved, then the record."""
+
+    __slots__ = ("layer", "ptr", "saved", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, layer: str, version: int) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.ptr = ptr
+        self.layer = layer
+        self.version = version
+        self.saved: _Handle | None = None
+
+
 class Packer:
     """Installs nothing itself: the controller hands :meth:`pack` and :meth:`unpack` to autograd."""
 
@@ -257,7 +304,11 @@ class Packer:
         tracker: ModuleTracker,
         choice_for: Callable[[str], tuple[float, float | None]],
         on_fallback: Callable[[str, BaseException], None],
+        queue: bool = True,
     ) -> None:
+        """``queue``: small tensors saved inside a module's forward are packed in batches of them
+        (NOTE [ Packs queued in the forward ]); a replay's packer, which sees no module exit, packs
+        every tensor when it is saved."""
         autograd_wording()  # read outside any backward (NOTE [ In-place checks ])
         self._config = config
         self._tracker = tracker
@@ -333,6 +384,11 @@ class Packer:
         self._matching = False
         """Whether a pack or a module output may have left something for a later pack to match
         since the last unpack in a backward cleared it (the trackers, the producers)."""
+        self._queueing = queue
+        self._queue: list[_Queued] = []
+        """Tensors saved but not packed yet, in order (NOTE [ Packs queued in the forward ])."""
+        self._queued_values = 0
+        self._settling = False
         self._no_exceptions: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decoded: tuple[tuple[Batch, tuple[torch.Tensor, ...]], ...] = ()
         """The two batches decoded last, whole, with their values, newest first (NOTE [ Batched
@@ -369,6 +425,8 @@ class Packer:
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
+        if self._queue:
+            self.settle()
         if self._batches:
             self._encode_batches()
         self._shared.clear()
@@ -411,6 +469,8 @@ class Packer:
 
     def finish_step(self) -> dict[str, LayerStep]:
         """The step's per-layer records at its peak micro-batch; resets them and the tables."""
+        if self._queue:
+            self.settle()
         if self._batches:
             self._encode_batches()
         self._fold_ranges()
@@ -438,7 +498,7 @@ class Packer:
         return rec
 
     # -- hooks -------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Saved | SavedRef | Alias | torch.Tensor:
+    def pack(self, t: torch.Tensor) -> _Handle | _Queued:
         """Pack hook (see NOTE [ What is compressed ]; its cost: NOTE [ Pack path cost ])."""
         self._matching = True
         if t.layout != torch.strided or t.is_meta:
@@ -457,6 +517,60 @@ class Packer:
             # for the collector to track all step)
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
+        layer = self._tracker.current
+        if self._queueing and layer != ROOT:  # NOTE [ Packs queued in the forward ]
+            numel = t.numel()
+            if numel < BATCH_BELOW:
+                queued = _Queued(t, ptr, layer, t._version)
+                queue = self._queue
+                queue.append(queued)
+                self._queued_values += numel
+                if len(queue) >= _QUEUE_RECORDS or self._queued_values >= _QUEUE_VALUES:
+                    self.settle()
+                return queued
+        if self._queue:
+            self.settle()
+        return self._pack_tensor(t, ptr, layer, t._version)
+
+    def settle(self) -> None:
+        """Pack the queued tensors, in the order they were saved (NOTE [ Packs queued in the forward ])."""
+        if self._settling:
+            return
+        self._settling = True
+        try:
+            while self._queue:
+                queue, self._queue = self._queue, []
+                self._queued_values = 0
+                for i, queued in enumerate(queue):
+                    t = queued.tensor
+                    if t is None:
+                        continue
+                    try:
+                        if t._version != queued.version:
+                            queued.saved = self._changed_since_saved(t, queued.version)
+                        else:
+                            queued.saved = self._pack_tensor(t, queued.ptr, queued.layer, queued.version)
+                    except BaseException:
+                        self._queue[:0] = queue[i + 1:]  # the rest stays queued, in order
+                        raise
+                    queued.tensor = None
+        finally:
+            self._settling = False
+
+    @staticmethod
+    def _changed_since_saved(t: torch.Tensor, version: int) -> Saved:
+        """The record of a queued tensor changed in place before its turn: it holds the tensor as it
+        is now, and its unpack raises autograd's in-place error, as PyTorch's backward does for it
+        (NOTE [ In-place checks ]); packed now, the changed values would give a silently wrong
+        gradient wherever nothing else holds the tensor to check it against."""
+        held = t.detach()  # (shares the version counter)
+        saved = Saved(held, t)
+        saved.source, saved.version = _Held(held), version
+        return saved
+
+    def _pack_tensor(self, t: torch.Tensor, ptr: int, layer: str, version: int) -> _Handle:
+        """:meth:`pack` of a tensor that is neither a parameter nor an input, saved in ``layer`` at
+        ``version``."""
         node = t.grad_fn
         if node is not None:
             self._match(t, node)
@@ -464,7 +578,7 @@ class Packer:
         shape = tuple(t.shape)
         flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place
         key: _DedupKey = (ptr, t.storage_offset(), t.numel() if flat else shape,
-                          None if flat else t.stride(), t.dtype, t.device, t._version)
+                          None if flat else t.stride(), t.dtype, t.device, version)
         hit = self._seen.get(key)
         if hit is not None:
             again = hit()
@@ -477,7 +591,6 @@ class Packer:
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer, node)
                 return again
-        layer = self._tracker.current
         if self._floors.active:  # NOTE [ Bit floors ]: before t's record (read from a norm's input?)
             for found in self._floors.matches(t):
                 self._raise_to_floor(found)
@@ -488,7 +601,7 @@ class Packer:
         except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             saved = Saved(t.detach().clone(), t)
-        saved.source, saved.version, saved.owner = weakref.ref(t), t._version, self._micro
+        saved.source, saved.version, saved.owner = weakref.ref(t), version, self._micro
         self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
             self._regions.note(t, saved, saved.layer, node)
@@ -506,6 +619,8 @@ class Packer:
 
     def end_forward(self) -> None:
         """The model's forward ended: no pending input can be matched any more."""
+        if self._queue:
+            self.settle()
         if self._batches:
             self._encode_batches()
         if self._held_log_probs:
@@ -614,6 +729,8 @@ class Packer:
 
     def observe(self, output: Any) -> None:
         """Match pending inputs against a module's output (NOTE [ Finding the op that saved a tensor ])."""
+        if self._queue:
+            self.settle()  # NOTE [ Packs queued in the forward ]: what the module saved, first
         self._matching = True
         if isinstance(output, dict):
             items = list(output.values())
@@ -641,8 +758,17 @@ class Packer:
                     for unread in offers.offer(pending.op, saved, pending.source, pending.version):
                         self._raise_unread(*unread)
 
-    def unpack(self, saved: Saved | SavedRef | Alias | torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: _Handle | _Queued) -> torch.Tensor:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
+        if self._queue:
+            self.settle()  # NOTE [ Packs queued in the forward ]
+        if type(saved) is _Queued:
+            if saved.saved is None:  # read while the queue is packed, before its turn: exact
+                return cast(torch.Tensor, saved.tensor)
+            saved = saved.saved
+        return self._unpack(cast(_Handle, saved))
+
+    def _unpack(self, saved: _Handle) -> torch.Tensor:
         if self._peeking:  # a node's field read in the forward: exact records only, nothing decoded lossily
             return self._peek(saved)
         if self._matching and _current_node() is not None:  # not a node field read while packing

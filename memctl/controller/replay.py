@@ -109,7 +109,7 @@ class Replayer:
             args, kwargs, grads = narrowed
         # log-softmax outputs exact: a measurement holds only its layer's noise (NOTE [ Log-probabilities ])
         packer = Packer(replace(self._config, log_prob_bits=None), self._tracker, choice_for,
-                        lambda layer, exc: None)
+                        lambda layer, exc: None, queue=False)  # NOTE [ Packs queued in the forward ]
         packer.set_parameters(model)
         packer.begin_step(seed)
         if self._walking is not None:

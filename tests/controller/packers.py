@@ -10,19 +10,21 @@ import torch.nn.functional as F
 
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
-from memctl.controller.packing import Packer
+from memctl.controller.packing import Packer, _Queued
 
 
-def strict_packer(config: ControllerConfig) -> Packer:
+def strict_packer(config: ControllerConfig, queue: bool = False) -> Packer:
     """A packer inside a model's forward (so tensors are compressed, not kept exact), every
-    layer at 2 bits, that fails the test on any codec fallback instead of hiding it."""
+    layer at 2 bits, that fails the test on any codec fallback instead of hiding it. ``queue``:
+    small tensors wait in the queue (NOTE [ Packs queued in the forward ]); off, so that the
+    record :meth:`Packer.pack` returns is the tensor's own (the queue's own tests turn it on)."""
     tracker = ModuleTracker()
     tracker.model_depth = 1
 
     def fail(layer: str, exc: BaseException) -> None:
         raise AssertionError(f"codec fallback in {layer}: {exc}")
 
-    return Packer(config, tracker, lambda layer: (2.0, None), fail)
+    return Packer(config, tracker, lambda layer: (2.0, None), fail, queue=queue)
 
 
 def activation_step(
@@ -46,3 +48,9 @@ def activation_step(
     if finish:
         packer.finish_step()
     return records
+
+
+def record_of(handle: Any) -> Any:
+    """What a pack hook's return stands for once packed: a queued tensor's record (NOTE [ Packs
+    queued in the forward ]), anything else itself."""
+    return handle.saved if isinstance(handle, _Queued) else handle

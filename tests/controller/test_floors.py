@@ -199,7 +199,7 @@ def test_a_floor_never_lowers_the_layer_bits() -> None:
     tracker = ModuleTracker()
     tracker.model_depth = 1
     packer = Packer(ControllerConfig(min_numel=0, attention_bits=4), tracker, lambda layer: (8.0, None),
-                    lambda layer, exc: None)
+                    lambda layer, exc: None, queue=False)
     records, tensors, _ = _attention_records(packer)
     assert {_stored_bits(s) for s, t in zip(records, tensors, strict=True)
             if isinstance(s, Saved) and t.grad_fn is not None} == {8}

@@ -201,7 +201,7 @@ def test_layers_above_the_floor_keep_their_own_records() -> None:
     norm, x, w = _setup("layer_norm")
     tracker = ModuleTracker()
     tracker.model_depth = 1
-    packer = Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (8.0, None), _fail)
+    packer = Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (8.0, None), _fail, queue=False)
     packer.set_parameters(norm)
     records: list[tuple[Any, torch.Tensor]] = []
 

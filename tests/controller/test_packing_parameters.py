@@ -14,7 +14,8 @@ from memctl.controller.versions import SavedRef
 def _packer() -> Packer:
     tracker = ModuleTracker()
     tracker.model_depth = 1
-    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), lambda layer, exc: None)
+    return Packer(ControllerConfig(min_numel=0), tracker, lambda layer: (2.0, None), lambda layer, exc: None,
+                  queue=False)
 
 
 def test_a_parameter_whose_data_moved_is_recognised_after_a_quiet_boundary() -> None:
