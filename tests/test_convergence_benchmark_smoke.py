@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,24 @@ def test_stdlib_text_is_deterministic_english() -> None:
     assert len(train) > 500_000 and len(val) > 50_000
     assert max(train) < 128 and b" the " in train
     assert convergence.stdlib_docstrings() == (train, val)
+
+
+def test_cosine_schedule_decays_the_learning_rate_to_zero_and_constant_keeps_it() -> None:
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        import convergence
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
+    rates = {}
+    for schedule in convergence.SCHEDULES:
+        task = convergence.Task("digits", 0, 8, schedule)
+        seen = []
+        for _ in range(8):
+            seen.append(task.opt.param_groups[0]["lr"])
+            task.opt.step()
+            if task.scheduler is not None:
+                task.scheduler.step()
+        rates[schedule] = (seen, task.opt.param_groups[0]["lr"])
+    assert rates["constant"] == ([2e-3] * 8, 2e-3)
+    cosine, last = rates["cosine"]
+    assert cosine[0] == 2e-3 and all(a > b for a, b in itertools.pairwise(cosine)) and last < 1e-9
