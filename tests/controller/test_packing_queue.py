@@ -101,10 +101,14 @@ def test_the_queue_is_packed_when_it_holds_its_limit() -> None:
     handles = [packer.pack(torch.randn(2, 256, requires_grad=True) * 2) for _ in range(limit)]
     assert all(isinstance(h, _Queued) and h.saved is not None for h in handles)
     assert not packer._queue
-    # values bound the queue too: a few tensors of nearly BATCH_BELOW values each
-    big = [packer.pack(torch.randn(BATCH_BELOW - 256, requires_grad=True) * 2) for _ in range(5)]
-    assert any(isinstance(h, _Queued) and h.saved is not None for h in big)
-    assert packer._queued_values < 5 * (BATCH_BELOW - 256)
+    # values bound the queue too: tensors of nearly BATCH_BELOW values each, the fifth past the bound
+    size = BATCH_BELOW - 256
+    assert 4 * size < packing._QUEUE_VALUES <= 5 * size
+    big = [packer.pack(torch.randn(size, requires_grad=True) * 2) for _ in range(4)]
+    assert all(isinstance(h, _Queued) and h.saved is None for h in big)
+    big.append(packer.pack(torch.randn(size, requires_grad=True) * 2))
+    assert all(isinstance(h, _Queued) and h.saved is not None for h in big)
+    assert not packer._queue and packer._queued_values == 0
 
 
 def test_a_module_output_is_matched_after_what_the_module_saved_is_packed() -> None:
