@@ -45,7 +45,8 @@ def _train(model: nn.Module, queue: bool, steps: int = 3, **options: Any) -> tup
     (every tensor compressed, each with its own random draws: a record made out of order would
     change them)."""
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ctl = memctl.Controller(model, opt, calibration_fraction=0, monitor_interval_s=0, min_numel=0, **options)
+    options = {"calibration_fraction": 0, **options}
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=0, **options)
     ctl._packer._queueing = queue
     x, y = _gru_batch() if isinstance(model, _GRU) else batch_for(model)
     torch.manual_seed(1)  # dropout's draws
@@ -69,6 +70,21 @@ def test_queued_packs_make_the_same_records_and_weights_as_packing_at_once(
     torch.manual_seed(0)
     model = _MODELS[name]()
     twin = copy.deepcopy(model)
+    queued = _train(model, True, **options)
+    at_once = _train(twin, False, **options)
+    assert queued == at_once
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", ["cnn", "gru"])
+def test_queued_packs_agree_with_calibration_probes_at_every_allocation(name: str) -> None:
+    """The probes replay with a packer of their own that packs at once (NOTE [ Replay ]); with
+    their schedule fixed (a probe at every allocation step), training is the same either way."""
+    torch.manual_seed(0)
+    model = _MODELS[name]()
+    twin = copy.deepcopy(model)
+    options = {"calibration_fraction": 1000.0, "allocation_interval": 1}
     queued = _train(model, True, **options)
     at_once = _train(twin, False, **options)
     assert queued == at_once
