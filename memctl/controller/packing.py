@@ -281,6 +281,13 @@ _Handle = Saved | SavedRef | Alias | torch.Tensor
 """What :meth:`Packer.pack` makes of a tensor, once packed."""
 
 
+def _keep_changed(saved: Saved, source: torch.Tensor) -> None:
+    """``saved`` holds ``source`` as it is now, changed in place after it was saved: its unpack
+    raises autograd's error (NOTE [ In-place checks ]) however long the tensor lives."""
+    held = source.detach()  # (shares the version counter)
+    saved.data, saved.source = held, _Held(held)
+
+
 class _Queued:
     """What autograd holds for a tensor whose pack waits in the queue (NOTE [ Packs queued in the
     forward ]): the tensor and what was read when it was saved, then the record."""
@@ -563,9 +570,9 @@ class Packer:
         is now, and its unpack raises autograd's in-place error, as PyTorch's backward does for it
         (NOTE [ In-place checks ]); packed now, the changed values would give a silently wrong
         gradient wherever nothing else holds the tensor to check it against."""
-        held = t.detach()  # (shares the version counter)
-        saved = Saved(held, t)
-        saved.source, saved.version = _Held(held), version
+        saved = Saved(t, t)
+        saved.version = version
+        _keep_changed(saved, t)
         return saved
 
     def _pack_tensor(self, t: torch.Tensor, ptr: int, layer: str, version: int) -> _Handle:
@@ -1079,10 +1086,7 @@ class Packer:
                     continue  # stored again meanwhile (a floor, a raised root)
                 saved = m.saved
                 if source._version != m.version:
-                    # changed in place after it was saved: kept as it is now, and unpack raises
-                    # autograd's error (NOTE [ In-place checks ]) however long the tensor lives
-                    held = source.detach()
-                    saved.data, saved.source = held, _Held(held)
+                    _keep_changed(saved, source)
                     continue
                 if nonfinite:
                     try:
