@@ -225,8 +225,11 @@ def _fsdp_run(rank: int, out: dict[str, Any]) -> None:
 
 
 def _fsdp_params(module: torch.nn.Module) -> list[Any]:
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+    """The module's ``FSDPParam``s, read as memctl reads them (torch 2.11 keeps one
+    ``_fsdp_param_group`` per state, later releases a list, ``_fsdp_param_groups``)."""
+    from memctl.controller.fsdp import _state_params
+
+    return list(_state_params(module._get_fsdp_state()))  # type: ignore[operator]
 
 
 def _wrap(model: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
