@@ -342,12 +342,15 @@ class FloorTracker:
         oldest = min(rs[0].node._sequence_nr() for rs in keyed.values())
         found: list[Raise] = []
         frontier: deque[tuple[Any, int]] = deque([(t.grad_fn, 0)])
-        seen: set[int] = set()
+        # the visited nodes themselves, not only their ids: a node's Python object lives only as
+        # long as something holds it (torch 2.11 makes a new one on a later ``next_functions``),
+        # so a freed node's id could come back as another node's and skip it
+        seen: dict[int, Any] = {}
         while frontier and len(seen) < _WALK_NODES and self._recent:
             node, depth = frontier.popleft()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             if node._sequence_nr() < oldest:
                 continue
             name = type(node).__name__

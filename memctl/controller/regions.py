@@ -470,7 +470,7 @@ class RegionTracker:
                 self._visit(node, found)
         else:
             frontier: list[Any] = [node]
-            seen: set[int] = set()
+            seen: dict[int, Any] = {}  # the nodes too: a freed node's id can name another (floors.py)
             # NOTE [ Walking only newer nodes ]: a node older than every pending input's node
             # (and so all of its inputs) cannot have consumed one.
             oldest = min(p.node._sequence_nr() for p in self._pending.values())
@@ -479,7 +479,7 @@ class RegionTracker:
                 for node in frontier:
                     if id(node) in seen or len(seen) >= _WALK_NODES:
                         continue
-                    seen.add(id(node))
+                    seen[id(node)] = node
                     if node._sequence_nr() < oldest:
                         continue
                     nxt.extend(e[0] for e in self._visit(node, found) if e[0] is not None)

@@ -42,7 +42,8 @@ def test_rebuilt_function_reproduces_the_tensor_bit_for_bit(name: str) -> None:
     x = torch.randn(4, 16, generator=g) * 3.0 * w  # a root with a grad_fn
     y = FUNCTIONS[name](x)
     root = _Root()
-    nodes = {(id(x.grad_fn), 0): root}
+    x_node = x.grad_fn  # held: an id names a node only while its Python object lives (torch 2.11)
+    nodes = {(id(x_node), 0): root}
     expr = expressions.build(y, lambda node, nr: nodes.get((id(node), nr)),
                              lambda s: x if s is root else None)
     assert expr is not None and expr.roots == (root,)
@@ -56,8 +57,9 @@ def test_two_roots() -> None:
     w = torch.randn(16, requires_grad=True)
     gate, up = torch.randn(4, 16) * w, torch.randn(4, 16) * w
     y = (nn.functional.silu(gate) * up).view(-1)
-    roots = {(id(gate.grad_fn), 0): _Root(), (id(up.grad_fn), 0): _Root()}
-    tensors = {id(roots[(id(gate.grad_fn), 0)]): gate, id(roots[(id(up.grad_fn), 0)]): up}
+    gate_node, up_node = gate.grad_fn, up.grad_fn  # held, as above
+    roots = {(id(gate_node), 0): _Root(), (id(up_node), 0): _Root()}
+    tensors = {id(roots[(id(gate_node), 0)]): gate, id(roots[(id(up_node), 0)]): up}
     expr = expressions.build(y, lambda node, nr: roots.get((id(node), nr)), lambda s: tensors.get(id(s)))
     assert expr is not None and len(expr.roots) == 2
     assert torch.equal(expr.fn(tuple(t.detach() for t in expr.sources)), y.detach())
@@ -74,8 +76,9 @@ def test_what_is_not_up_to_two_roots_through_elementwise_ops_is_not_rebuilt(
         fn: Callable[..., torch.Tensor]) -> None:
     w = torch.randn(16, requires_grad=True)
     xs = [torch.randn(4, 16) * w for _ in range(3)]
-    roots = {(id(x.grad_fn), 0): _Root() for x in xs}
-    tensors = {id(roots[(id(x.grad_fn), 0)]): x for x in xs}
+    x_nodes = [x.grad_fn for x in xs]  # held, as above
+    roots = {(id(n), 0): _Root() for n in x_nodes}
+    tensors = {id(roots[(id(n), 0)]): x for n, x in zip(x_nodes, xs, strict=True)}
     expr = expressions.build(fn(*xs), lambda node, nr: roots.get((id(node), nr)),
                              lambda s: tensors.get(id(s)))
     assert expr is None

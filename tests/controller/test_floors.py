@@ -59,14 +59,18 @@ def _attention_kinds(packer: Packer) -> list[tuple[str, int | None]]:
     records, tensors, out = _attention_records(packer)
     node = out.grad_fn
     assert node is not None and "Attention" in type(node).__name__
-    inputs = {(id(n), nr): name for (n, nr), name in zip(node.next_functions[:3], ("query", "key", "value"),
-                                                          strict=True) if n is not None}
+    # the input nodes themselves, compared by identity: an id names a node only while its Python
+    # object lives (torch 2.11 makes a new one on a later ``next_functions``)
+    inputs = [(n, nr, name) for (n, nr), name in zip(node.next_functions[:3], ("query", "key", "value"),
+                                                     strict=True) if n is not None]
     kinds = []
     for saved, t in zip(records, tensors, strict=True):
-        if t.grad_fn is node:
+        parent = t.grad_fn
+        named = [name for n, nr, name in inputs if parent is n and t.output_nr == nr]
+        if parent is node:
             kinds.append(("output", _stored_bits(saved)))
-        elif t.grad_fn is not None and (id(t.grad_fn), t.output_nr) in inputs:
-            kinds.append((inputs[(id(t.grad_fn), t.output_nr)], _stored_bits(saved)))
+        elif named:
+            kinds.append((named[0], _stored_bits(saved)))
         elif t.grad_fn is None and t.dim() == 3:
             kinds.append(("logsumexp", _stored_bits(saved)))
     return sorted(kinds)
