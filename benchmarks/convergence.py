@@ -7,9 +7,10 @@ batches, once per configuration and seed, each in its own process:
 
     digits  the demo's data and model: scikit-learn's handwritten digits loaded as
             ``memctl demo`` loads them (1,440 training and 357 test images, 16x16), the
-            demo's ``DigitsNet``, Adam lr 2e-3, batch 128, the same steps as ``memctl demo
-            --seed S`` (``plain`` is its baseline run, ``bits2`` its memctl run). Validation:
-            the 357 test images.
+            demo's ``DigitsNet``, Adam lr 2e-3, batch 128, the same steps as the demo at seed
+            S (``plain`` is its baseline run, ``bits2`` its memctl run; the demo decays the
+            rate as ``--schedule cosine`` does, or keeps it with ``--lr-schedule constant``).
+            Validation: the 357 test images.
     text    a small causal transformer language model (3 layers, d 128, 4 heads,
             context 64, byte level, AdamW lr 1e-3, batch 16) on English text: the
             docstrings of the Python standard library's own source files, read with
@@ -18,7 +19,7 @@ batches, once per configuration and seed, each in its own process:
             the header. Validation: 64 fixed windows of the validation text.
 
 ``--schedule cosine`` decays every configuration's learning rate to zero over the run
-(``CosineAnnealingLR``) instead of keeping it constant as the demo does. At a constant rate
+(``CosineAnnealingLR``, as ``memctl demo`` does by default) instead of keeping it constant. At a constant rate
 the digits' final validation loss (~0.02-0.04: a few of the 357 test images, confidently
 wrong, make most of it) follows the run's last steps: memctl's runs land -24% to +57% from
 plain's of the same seed, and plain itself +8% to +21% from its own run under a tiny gradient

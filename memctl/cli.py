@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--tensorboard", default=None, metavar="DIR",
                       help="also write memctl's scalars to TensorBoard in DIR ('tensorboard' extra)")
+    demo.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                      help="the learning rate: 'cosine' decays it from 2e-3 to 0 over the run "
+                      "(default), 'constant' keeps it at 2e-3")
 
     status = sub.add_parser("status", help="show a running job's compression and memory state",
                             description="Query GET /v1/stats of a running memctl job.")
@@ -223,7 +226,8 @@ def _demo(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     opts = DemoOptions(steps=args.steps, batch_size=args.batch_size, budget=args.budget, bits=args.bits,
                        device=args.device, port=args.port, out=args.out, baseline=not args.no_baseline,
-                       progress=not args.no_progress, tensorboard=args.tensorboard)
+                       progress=not args.no_progress, tensorboard=args.tensorboard,
+                       lr_schedule=args.lr_schedule)
     try:
         check_options(opts)  # everything, before minutes of training
         run_demo(opts)

@@ -49,6 +49,32 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert events and events[0]["kind"] == "attach" and {"step", "time", "kind", "message"} <= set(events[0])
     assert events == mem["events"]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert report["options"]["lr_schedule"] == "cosine" and "cosine learning rate" in out.stdout
+
+
+def test_demo_learning_rate_schedules(tmp_path: Path) -> None:
+    """The cosine schedule steps after every update: the first two losses (before and after an
+    update at 2e-3) match the constant schedule's, the third (after one at ~1.7e-3) does not."""
+    from memctl.demo import DemoOptions, _train
+
+    losses = {}
+    for schedule in ("cosine", "constant"):
+        opts = DemoOptions(steps=4, batch_size=32, device="cpu", out=str(tmp_path), progress=False,
+                           lr_schedule=schedule)
+        losses[schedule] = _train(opts, torch.device("cpu"), use_memctl=False, announce=print)[0].losses
+    assert losses["cosine"][:2] == losses["constant"][:2]
+    assert losses["cosine"][2] != losses["constant"][2]
+
+
+def test_demo_rejects_an_unknown_schedule(tmp_path: Path) -> None:
+    from memctl.demo import DemoOptions, check_options
+    from memctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--lr-schedule 'linear': must be one of cosine, constant"):
+        check_options(DemoOptions(out=str(tmp_path), lr_schedule="linear"))
+    with pytest.raises(SystemExit) as exit_info:  # argparse's choices
+        main(["demo", "--lr-schedule", "linear"])
+    assert exit_info.value.code == 2
 
 
 def test_status_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None:
