@@ -364,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter", type=float, default=5e-4,
                     help="expected squared norm of the gradient noise of the jitterN configurations")
     ap.add_argument("--schedule", choices=SCHEDULES, default="constant",
-                    help="learning rate over the run, the same in every configuration: constant (as the "
-                         "demo trains) or a cosine decay to zero")
+                    help="learning rate over the run, the same in every configuration: constant (the "
+                         "demo's --lr-schedule constant) or a cosine decay to zero (the demo's default)")
     ap.add_argument("--worker", nargs=2, metavar=("TASK", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write every result to this file")
     args = ap.parse_args(argv)

@@ -145,6 +145,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -155,6 +156,7 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from memctl.codecs import channels
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
@@ -218,6 +220,10 @@ class _HeldLogProbs:
 
 _DedupKey = tuple[int, Any, int | tuple[int, ...], tuple[int, ...] | None, torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
+# Backward nodes whose computation is linear in every saved tensor they read (NOTE [ Unbiased
+# reads of a ReLU result ]): convolutions, matrix products, element-wise products.
+_VALUE_READERS = frozenset({"ConvolutionBackward0", "MkldnnConvolutionBackward0", "CudnnConvolutionBackward0",
+                            "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0"})
 
 
 _Slot = tuple[str, int, int]
@@ -808,9 +814,10 @@ class Packer:
             return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
+        unclamped = _unclamped_code(saved, data)  # NOTE [ Unbiased reads of a ReLU result ]
         shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
         if shared is not None:
-            return shared
+            return shared if unclamped is None else self._for_reader(shared, unclamped, saved.dtype)
         if type(data) is BatchRecord and data.exc is None and not saved.regions:
             # NOTE [ Batched small records ]: the most common record of a recurrent net, its
             # piece of its batch in its own shape and dtype (what the checks below would verify);
@@ -821,7 +828,7 @@ class Packer:
             return out
         start = time.perf_counter()
         fused = None
-        if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data)) is not None:
+        if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data, unclamped)) is not None:
             fused, out = mapped  # NOTE [ Fused channel passes ]: decode and channel map in one pass
         elif isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
             source = self.unpack(data.source)
@@ -829,8 +836,12 @@ class Packer:
             fused = _relu_code(saved) if saved.regions and masked is not None else None
             got = None
             if fused is not None and masked is not None:
-                got = masked(source, fused.planes[0].buffers["payload"], mask_floor(saved.dtype))
-            if got is None:
+                floor = -math.inf if unclamped is not None else mask_floor(saved.dtype)
+                got = masked(source, fused.planes[0].buffers["payload"], floor)
+            if got is None and unclamped is not None:  # the map's values, zero off the mask
+                linear = data.fn.linear  # type: ignore[attr-defined]  # (_unclamped_code checked it)
+                got = linear(source).mul_(self._codec("lossless").decode(unclamped.planes[0]))
+            elif got is None:
                 others = [self.unpack(o) for o in data.others]  # NOTE [ Elementwise expressions ]
                 fused, got = None, data.fn(source, *others)
             out = got
@@ -861,7 +872,24 @@ class Packer:
             out = region.partition.project(out, code)
         self._shared.keep(saved, out)
         self.timings.observe_decode(time.perf_counter() - start)
-        return out
+        return out if unclamped is None else self._for_reader(out, unclamped, saved.dtype)
+
+    def _for_reader(self, values: torch.Tensor, code: RegionCode, dtype: torch.dtype) -> torch.Tensor:
+        """A ReLU result's unclamped values (NOTE [ Unbiased reads of a ReLU result ]) as the op
+        reading them needs them: as they are for a reader linear in them, else projected onto
+        the mask (a new tensor; ``values`` may be held for other readers)."""
+        node = _current_node()
+        if node is not None and type(node).__name__ in _VALUE_READERS:
+            return values
+        floor = mask_floor(dtype)
+        if values.dim() >= 2:  # NOTE [ Fused channel passes ]: the identity map with the mask
+            ones = torch.ones(values.shape[1])
+            zeros = torch.zeros(values.shape[1])
+            fast = channels.affine(values, zeros, ones, zeros, mask=code.planes[0].buffers["payload"],
+                                   floor=floor)
+            if fast is not None:
+                return fast
+        return RELU.project(values, self._codec("lossless").decode(code.planes[0]))
 
     def _from_batch(self, data: BatchRecord, timed: bool = False) -> torch.Tensor:
         """``data``'s values, its piece of its batch decoded whole (the two batches decoded last
@@ -883,11 +911,13 @@ class Packer:
         out = pieces[data.index].view(*data.shape)  # (ints parse faster than a tuple; never 0-d)
         return out if out.dtype is data.dtype else out.to(data.dtype)
 
-    def _decode_mapped(self, saved: Saved, data: Derived) -> tuple[RegionCode | None, torch.Tensor] | None:
+    def _decode_mapped(self, saved: Saved, data: Derived,
+                       unclamped: RegionCode | None) -> tuple[RegionCode | None, torch.Tensor] | None:
         """A batch-norm chain's record decoded straight from its root through its channel map
         (NOTE [ Fused channel passes ] in memctl/codecs/channels.py), with the ReLU code it
-        applied; None where that does not apply (then the root is decoded, or its held tensor
-        taken, and the map applied after)."""
+        applied (``unclamped``: zeroing off the mask only, NOTE [ Unbiased reads of a ReLU
+        result ]); None where that does not apply (then the root is decoded, or its held
+        tensor taken, and the map applied after)."""
         get_map = getattr(data.fn, "channel_map", None)
         root = data.source
         if get_map is None or data.others or not isinstance(root, Saved) or root.regions:
@@ -902,7 +932,7 @@ class Packer:
         if decode_affine is None or spec is None:
             return None
         mask = None if code is None else code.planes[0].buffers["payload"]
-        out = decode_affine(packed, *spec, mask_bits=mask)
+        out = decode_affine(packed, *spec, mask_bits=mask, floor=-math.inf if unclamped is not None else None)
         if out is None:
             return None
         # what unpack does for the root it no longer decodes
@@ -1738,6 +1768,14 @@ def _positive_plane(part: Partition) -> bool:
 
 
 _POSITIVE = Interval(0.0, float("inf"), True, False, 1)
+
+
+def _unclamped_code(saved: Saved, data: object) -> RegionCode | None:
+    """The ReLU code of a record whose values are read unclamped (NOTE [ Unbiased reads of a
+    ReLU result ]): a batch-norm chain's ReLU result, rebuilt from the chain's root, else None."""
+    if not saved.regions or not isinstance(data, Derived) or getattr(data.fn, "linear", None) is None:
+        return None
+    return _relu_code(saved)
 
 
 def _relu_code(saved: Saved) -> RegionCode | None:

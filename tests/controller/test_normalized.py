@@ -133,14 +133,21 @@ def test_batch_norm_output_keeps_no_payload_and_its_input_takes_the_bits(
     assert [r.partition.op for r in x.regions] == ["hardtanh"]
 
 
-def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records(monkeypatch)
+def _relu_chain() -> tuple[nn.Module, list[torch.Tensor], torch.optim.Optimizer, memctl.Controller]:
+    """conv -> BatchNorm -> in-place ReLU -> conv at 2 bits, its weights fixed (lr 0), with the
+    ReLU results of every forward captured."""
     model = _model(lambda: nn.ReLU(inplace=True))
     captured: list[torch.Tensor] = []
     model.act.register_forward_hook(lambda m, a, out: captured.append(out.detach().clone()))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
                             calibration_fraction=0.0)
+    return model, captured, opt, ctl
+
+
+def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _records(monkeypatch)
+    model, captured, _, ctl = _relu_chain()
     model(torch.randn(8, 3, 16, 16)).square().mean().backward()
     y = next(saved for name, saved in records if name == "ReluBackward0")
     assert isinstance(y.data, Derived)
@@ -415,3 +422,79 @@ def test_chain_records_decoded_through_their_channel_map_give_the_same_gradients
     monkeypatch.setattr(QuantizeCodec, "decode_affine", lambda self, *args, **kwargs: None)
     apart, apart_bytes = _run(_model(act), 2)
     assert torch.equal(fused, apart) and fused_bytes == apart_bytes
+
+
+def _reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, torch.Tensor]]:
+    """Every read of a ReLU result rebuilt from its chain, with the backward node that read it."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for_reader = packing.Packer._for_reader
+
+    def spy(self: packing.Packer, values: torch.Tensor, code: Any, dtype: torch.dtype) -> torch.Tensor:
+        got = for_reader(self, values, code, dtype)
+        node = torch._C._current_autograd_node()
+        out.append((type(node).__name__ if node is not None else "", got.detach().clone()))
+        return got
+
+    monkeypatch.setattr(packing.Packer, "_for_reader", spy)
+    return out
+
+
+def test_the_next_convolution_reads_a_relu_result_unbiased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Unbiased reads of a ReLU result ]: averaged over the codec's draws, the values the
+    next convolution reads are the ReLU result's; the ReLU's own backward reads them projected
+    onto the mask, whose clamp at the floor biases small positives upwards."""
+    reads = _reads(monkeypatch)
+    model, captured, opt, ctl = _relu_chain()
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    draws = 120
+    for _ in range(draws):  # the weights stay (lr 0); each step draws the codec's rounding anew
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ctl.detach()
+    t = captured[0]
+    assert all(torch.equal(c, t) for c in captured)
+    conv = [r for name, r in reads if name == "ConvolutionBackward0"]
+    relu = [r for name, r in reads if name == "ReluBackward0"]
+    assert len(conv) == len(relu) == draws
+    on = t > 0
+    for r in relu:  # the ReLU's backward reads the exact sign pattern
+        assert torch.equal(r > 0, on)
+    for r in conv:  # the convolution's reads are exact zeros off the mask, unclamped on it
+        assert bool((r[~on] == 0).all())
+    assert any(bool((r[on] < 0).any()) for r in conv)
+    conv_mean, relu_mean = torch.stack(conv).mean(0), torch.stack(relu).mean(0)
+    small = on & (t < t[on].quantile(0.25))  # where the clamp acts
+    conv_bias = float((conv_mean - t)[small].mean())
+    relu_bias = float((relu_mean - t)[small].mean())
+    spread = float(torch.stack(conv)[:, small].sub(t[small]).std())
+    se = spread / (draws * int(small.sum())) ** 0.5
+    assert relu_bias > 20 * se  # the projected reads are biased: the test can see a bias
+    assert abs(conv_bias) < 4 * se, (conv_bias, se, relu_bias)
+
+
+@pytest.mark.parametrize("path", ["decode_affine", "channels", "torch"])
+def test_unclamped_reads_are_the_same_on_every_decode_path(path: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode, the channel map after the decode and the PyTorch ops (a GPU's path) give the
+    convolution the same unclamped values: bit for bit, and to rounding on the PyTorch path, whose
+    ``addcmul`` may round ``n·weight + bias`` once."""
+    from memctl.codecs.quantize.codec import QuantizeCodec
+
+    reads = _reads(monkeypatch)
+    ref, _ = _run(_model(lambda: nn.ReLU(inplace=True)), 2)
+    first = [r for name, r in reads if name == "ConvolutionBackward0"]
+    reads.clear()
+    monkeypatch.setattr(QuantizeCodec, "decode_affine", lambda self, *args, **kwargs: None)
+    if path == "torch":
+        monkeypatch.setattr(normalized.channels, "affine", lambda *args, **kwargs: None)
+    got, _ = _run(_model(lambda: nn.ReLU(inplace=True)), 2) if path != "decode_affine" else (ref, 0.0)
+    again = [r for name, r in reads if name == "ConvolutionBackward0"] if path != "decode_affine" else first
+    assert first and len(first) == len(again)
+    assert any(bool((r < 0).any()) for r in again)
+    if path == "torch":
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(first, again, strict=True))
+        assert float((got - ref).norm() / ref.norm()) < 1e-5
+        return
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert torch.equal(got, ref)

@@ -372,13 +372,15 @@ class QuantizeCodec:
 
     def decode_affine(
         self, p: Packed, sub: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
-        mask_bits: torch.Tensor | None = None,
+        mask_bits: torch.Tensor | None = None, floor: float | None = None,
     ) -> torch.Tensor | None:
-        """``channels.affine(decode(p), sub, scale, shift, mask=mask_bits)`` written in one pass
-        by the CPU kernel (NOTE [ Fused channel passes ] in ``memctl.codecs.channels``), the same
-        values; None where that kernel does not apply (not a float32 CPU record of at least 2
-        dimensions, a non-finite value in it, vectors that do not match dimension 1, a mask of
-        another size), and the caller decodes and maps the tensor itself."""
+        """``channels.affine(decode(p), sub, scale, shift, mask=mask_bits, floor=floor)`` written in
+        one pass by the CPU kernel (NOTE [ Fused channel passes ] in ``memctl.codecs.channels``),
+        the same values; None where that kernel does not apply (not a float32 CPU record of at
+        least 2 dimensions, a non-finite value in it, vectors that do not match dimension 1, a
+        mask of another size), and the caller decodes and maps the tensor itself. ``floor``:
+        :func:`~memctl.codecs.base.mask_floor` of float32 by default; ``-inf`` zeroes the values
+        off the mask and leaves the others as mapped."""
         bits, group = _record_params(p)
         if p.dtype is not torch.float32 or len(p.shape) < 2 or p.numel == 0 or p.buffers["exc_index"].numel():
             return None
@@ -397,7 +399,7 @@ class QuantizeCodec:
         sub, scale, shift = vectors
         flat = _quantize_kernels.decode_affine_cpu(
             p.buffers["payload"], p.buffers["meta"], bits, group, n, sub, scale, shift, inner, mask_bits,
-            mask_floor(torch.float32),
+            mask_floor(torch.float32) if floor is None else floor,
         )
         return flat.reshape(p.shape)
 
