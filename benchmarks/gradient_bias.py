@@ -1,0 +1,113 @@
+"""Is memctl's gradient unbiased? The mean of many compressed gradients at fixed weights against the exact.
+
+Stochastic rounding makes each compressed gradient a random draw around the exact gradient.
+If the draws are unbiased, the distance from their mean to the exact gradient falls as
+``1/sqrt(N)`` over ``N`` draws; a bias stops it falling. This script trains ``memctl demo``'s
+DigitsNet on the demo's data for ``--warmup`` plain steps, fixes the weights and one batch
+of 128 images, takes the exact gradient, then ``--draws`` gradients with memctl attached
+(each step draws the codec's rounding anew; the dropout mask and the batch-norm statistics
+are the same in every pass), and prints:
+
+- at N = 1, 4, 16, 64, 256, ...: one draw's mean relative error, the relative error of the
+  mean of N draws, and what the latter would be for unbiased draws (the former over
+  ``sqrt(N)``);
+- per parameter: the same at the last N, and their ratio (1 for unbiased draws, up to
+  noise; a bias shows as a ratio that grows with N).
+
+    python benchmarks/gradient_bias.py [--draws 256] [--bits 2] [--mode as-is|no-chain]
+
+``--mode no-chain`` keeps batch-norm outputs in records of their own (no chains, NOTE [
+Batch-norm outputs recomputed from the input ]). Prints figures, asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from torch import nn
+
+import memctl
+from memctl.controller import packing
+from memctl.demo import DigitsNet, _digits
+
+
+def _flat(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    per = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat([g.reshape(-1) for g in per.values()]), per
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draws", type=int, default=256)
+    ap.add_argument("--bits", type=float, default=2.0)
+    ap.add_argument("--warmup", type=int, default=60,
+                    help="plain training steps before the weights are fixed")
+    ap.add_argument("--mode", choices=("as-is", "no-chain"), default="as-is")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.mode == "no-chain":
+        packing.chain_of = lambda t: None
+
+    torch.manual_seed(args.seed)
+    xtr, ytr, _, _ = _digits(torch.device("cpu"))
+    model = DigitsNet()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for i in range(args.warmup):
+        idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(100 + i))
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(7 + args.seed))
+    x, y = xtr[idx], ytr[idx]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fixed = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def gradient() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.load_state_dict(state)  # the batch norms' running statistics as they were
+        torch.manual_seed(1234)  # the same dropout mask in every pass
+        fixed.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        return _flat(model)
+
+    exact, exact_per = gradient()
+    ctl = memctl.Controller(model, fixed, bits=args.bits, calibration_fraction=0.0, monitor_interval_s=0)
+    total = torch.zeros_like(exact)
+    totals = {n: torch.zeros_like(g) for n, g in exact_per.items()}
+    single = {n: 0.0 for n in exact_per}
+    errors: list[float] = []
+    print(f"DigitsNet, {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed weights "
+          f"(after {args.warmup} plain steps)")
+    print(f"{'N':>6} {'one draw':>10} {'mean of N':>10} {'unbiased':>10}")
+    checkpoints = {4**k for k in range(12)}
+    for n in range(1, args.draws + 1):
+        g, per = gradient()
+        fixed.step()  # the controller's step boundary; lr 0 leaves the weights
+        total += g
+        errors.append(float((g - exact).norm() / exact.norm()))
+        for name, v in per.items():
+            totals[name] += v
+            single[name] += float((v - exact_per[name]).norm() / exact_per[name].norm().clamp_min(1e-30))
+        if n in checkpoints or n == args.draws:
+            one = sum(errors) / n
+            mean = float((total / n - exact).norm() / exact.norm())
+            print(f"{n:>6} {one:>10.5f} {mean:>10.5f} {one / math.sqrt(n):>10.5f}", flush=True)
+    stats = ctl.stats()
+    ctl.detach()
+    print(f"average bits {stats['avg_bits']:.2f}, ratio {stats['ratio']:.1f}x")
+    print(f"{'parameter':<20} {'mean of N':>10} {'unbiased':>10} {'ratio':>7}")
+    for name, v in totals.items():
+        norm = float(exact_per[name].norm())
+        if norm == 0.0:
+            continue
+        mean = float((v / args.draws - exact_per[name]).norm()) / norm
+        unbiased = single[name] / args.draws / math.sqrt(args.draws)
+        if unbiased < 1e-6:  # read from no compressed record: exact up to rounding
+            print(f"{name:<20} {mean:>10.5f} {'exact':>10} {'':>7}")
+            continue
+        print(f"{name:<20} {mean:>10.5f} {unbiased:>10.5f} {mean / unbiased:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
