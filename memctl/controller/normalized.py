@@ -75,8 +75,9 @@ was unbiased.
 So such a record is decoded unclamped: the map's values where the mask is 1, zero where it
 is 0 (exact there), held as usual for its readers (NOTE [ One decode for several readers ]
 in shared_decode.py). A reader whose backward is linear in what it reads (a convolution,
-a matrix product, an element-wise product: ``packing._VALUE_READERS``, known by the autograd
-node running when it unpacks) takes those values. Any other reader, ReLU's own backward
+a matrix product, an element-wise product) or reads none of its values (max pooling, which
+scatters by its indices) takes those values: ``packing._VALUE_READERS``, known by the
+autograd node running when it unpacks. Any other reader, ReLU's own backward
 above all, whose ``> 0`` test needs the mask's signs, takes them projected as before, a
 copy made from the held values in one pass. Measured the same way: the two convolutions
 within 1.1-1.2 times of unbiased draws, the whole gradient within 1.06, and each draw's

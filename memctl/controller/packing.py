@@ -221,9 +221,11 @@ class _HeldLogProbs:
 _DedupKey = tuple[int, Any, int | tuple[int, ...], tuple[int, ...] | None, torch.dtype, torch.device, int]
 _current_node = torch._C._current_autograd_node
 # Backward nodes whose computation is linear in every saved tensor they read (NOTE [ Unbiased
-# reads of a ReLU result ]): convolutions, matrix products, element-wise products.
+# reads of a ReLU result ]): convolutions, matrix products, element-wise products; and max
+# pooling, whose backward reads only its input's shape (it scatters by its saved indices).
 _VALUE_READERS = frozenset({"ConvolutionBackward0", "MkldnnConvolutionBackward0", "CudnnConvolutionBackward0",
-                            "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0"})
+                            "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0",
+                            "MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0"})
 
 
 _Slot = tuple[str, int, int]

@@ -498,3 +498,36 @@ def test_unclamped_reads_are_the_same_on_every_decode_path(path: str,
         return
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert torch.equal(got, ref)
+
+
+def test_max_pooling_takes_the_unclamped_values_and_the_same_gradient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Max pooling's backward reads only its input's shape, so it takes the held values as they are
+    (no projected copy), and the gradient is what the projected copy gave."""
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = _model(lambda: nn.ReLU(inplace=True))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b = self.block
+            return b.c2(F.max_pool2d(b.act(b.bn(b.c1(x))), 2))
+
+    def gradient() -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Pooled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                                calibration_fraction=0.0)
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+        model(x).square().mean().backward()
+        ctl.detach()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    reads = _reads(monkeypatch)
+    got = gradient()
+    pooled = [r for name, r in reads if name == "MaxPool2DWithIndicesBackward0"]
+    assert pooled and any(bool((r < 0).any()) for r in pooled)  # the unclamped values
+    monkeypatch.setattr(packing, "_VALUE_READERS", packing._VALUE_READERS - {"MaxPool2DWithIndicesBackward0"})
+    assert torch.equal(gradient(), got)
