@@ -14,10 +14,11 @@ are the same in every pass), and prints:
 - per parameter: the same at the last N, and their ratio (1 for unbiased draws, up to
   noise; a bias shows as a ratio that grows with N).
 
-    python benchmarks/gradient_bias.py [--draws 256] [--bits 2] [--mode as-is|no-chain]
+    python benchmarks/gradient_bias.py [--draws 256] [--bits 2] [--mode as-is|no-chain] [--act relu6]
 
 ``--mode no-chain`` keeps batch-norm outputs in records of their own (no chains, NOTE [
-Batch-norm outputs recomputed from the input ]). Prints figures, asserts nothing.
+Batch-norm outputs recomputed from the input ]). ``--act`` puts another activation in place
+of every ReLU of the model. Prints figures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,24 @@ from torch import nn
 import memctl
 from memctl.controller import packing
 from memctl.demo import DigitsNet, _digits
+
+ACTIVATIONS = {
+    "relu": lambda: nn.ReLU(inplace=True),
+    "leaky_relu": lambda: nn.LeakyReLU(0.1),
+    "relu6": lambda: nn.ReLU6(),
+    "hardtanh": lambda: nn.Hardtanh(),
+    "hardswish": lambda: nn.Hardswish(),
+    "elu": lambda: nn.ELU(),
+}
+
+
+def _with_activation(model: nn.Module, name: str) -> nn.Module:
+    """``model`` with every ``nn.ReLU`` replaced by a fresh ``ACTIVATIONS[name]``."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.ReLU):
+                setattr(parent, child_name, ACTIVATIONS[name]())
+    return model
 
 
 def _flat(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -46,13 +65,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="plain training steps before the weights are fixed")
     ap.add_argument("--mode", choices=("as-is", "no-chain"), default="as-is")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--act", choices=sorted(ACTIVATIONS), default="relu",
+                    help="the model's activation (default: its own in-place ReLU)")
     args = ap.parse_args(argv)
     if args.mode == "no-chain":
         packing.chain_of = lambda t: None
 
     torch.manual_seed(args.seed)
     xtr, ytr, _, _ = _digits(torch.device("cpu"))
-    model = DigitsNet()
+    model = _with_activation(DigitsNet(), args.act)
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     for i in range(args.warmup):
         idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(100 + i))
@@ -77,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     totals = {n: torch.zeros_like(g) for n, g in exact_per.items()}
     single = {n: 0.0 for n in exact_per}
     errors: list[float] = []
-    print(f"DigitsNet, {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed weights "
-          f"(after {args.warmup} plain steps)")
+    print(f"DigitsNet ({args.act}), {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed "
+          f"weights (after {args.warmup} plain steps)")
     print(f"{'N':>6} {'one draw':>10} {'mean of N':>10} {'unbiased':>10}")
     checkpoints = {4**k for k in range(12)}
     for n in range(1, args.draws + 1):
