@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.add_argument("--tensorboard", default=None, metavar="DIR",
                       help="also write memctl's scalars to TensorBoard in DIR ('tensorboard' extra)")
+    # memctl.demo.LR_SCHEDULES, spelled out: importing memctl.demo imports torch (test_cli checks both)
     demo.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                       help="the learning rate: 'cosine' decays it from 2e-3 to 0 over the run "
                       "(default), 'constant' keeps it at 2e-3")

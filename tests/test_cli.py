@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import socket
@@ -75,6 +76,13 @@ def test_demo_rejects_an_unknown_schedule(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse's choices
         main(["demo", "--lr-schedule", "linear"])
     assert exit_info.value.code == 2
+    # the command line offers exactly the schedules the demo knows, the first as its default
+    from memctl.cli import build_parser
+    from memctl.demo import LR_SCHEDULES
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices["demo"]._actions if a.dest == "lr_schedule")
+    assert tuple(action.choices or ()) == LR_SCHEDULES and action.default == LR_SCHEDULES[0]
 
 
 def test_status_and_budget_commands(capsys: pytest.CaptureFixture[str]) -> None:
