@@ -18,7 +18,8 @@ are the same in every pass), and prints:
 
 ``--mode no-chain`` keeps batch-norm outputs in records of their own (no chains, NOTE [
 Batch-norm outputs recomputed from the input ]). ``--act`` puts another activation in place
-of every ReLU of the model. Prints figures, asserts nothing.
+of every ReLU of the model (NOTE [ No chain into a value-dependent derivative ] in
+memctl/controller/normalized.py has the figures). Prints figures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ ACTIVATIONS = {
     "hardtanh": lambda: nn.Hardtanh(),
     "hardswish": lambda: nn.Hardswish(),
     "elu": lambda: nn.ELU(),
+    "silu": lambda: nn.SiLU(),
+    "gelu": lambda: nn.GELU(),
+    "mish": lambda: nn.Mish(),
 }
 
 

@@ -31,7 +31,8 @@ convolution, a transformer's GELU between two linear layers); they are matched l
 table's ops, with no region code, and their output is recomputed the same way. When
 ``x``'s record is itself recomputed from a batch norm's input (NOTE [ Batch-norm outputs
 recomputed from the input ] in normalized.py), ``y``'s bits go to that record, the start
-of the chain.
+of the chain (a value-dependent op's input is chained only in the first forward: NOTE [ No
+chain into a value-dependent derivative ] there).
 
 Alternatives tried on the conv net of ``benchmarks/activations.py`` (2 bits, 5 seeds;
 one-off experiments, not kept as benchmark modes):
@@ -84,8 +85,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DERIVED_MAX_BITS", "RESHAPES", "DerivableOutputs", "Derived", "output_function", "reshaped_from",
-           "root_of", "width_within"]
+__all__ = ["DERIVED_MAX_BITS", "RESHAPES", "VALUE_DEPENDENT", "DerivableOutputs", "Derived",
+           "output_function", "reshaped_from", "root_of", "width_within"]
 
 DERIVED_MAX_BITS = 8
 """The most bits the input record is raised to (NOTE [ Outputs recomputed from the input ])."""
@@ -372,11 +373,12 @@ def _unread(offers: list[_Offer]) -> list[_Unread]:
     out = []
     for offer in offers:
         saved = offer.saved()
-        if (saved is not None and type(offer.node).__name__ in _VALUE_DEPENDENT
+        if (saved is not None and type(offer.node).__name__ in VALUE_DEPENDENT
                 and offer.source._version == offer.version):
             out.append((saved, offer.source))
     return out
 
-# Ops whose derivative depends on the value inside a region (not only on the branch).
-_VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0", "SiluBackward0",
-                              "GeluBackward0", "MishBackward0"})
+
+VALUE_DEPENDENT = frozenset({"HardswishBackward0", "EluBackward0", "CeluBackward0", "SiluBackward0",
+                             "GeluBackward0", "MishBackward0"})
+"""Ops whose derivative depends on the value inside a region (not only on the branch)."""

@@ -82,6 +82,44 @@ above all, whose ``> 0`` test needs the mask's signs, takes them projected as be
 copy made from the held values in one pass. Measured the same way: the two convolutions
 within 1.1-1.2 times of unbiased draws, the whole gradient within 1.06, and each draw's
 error the same (5.5% of the gradient's norm).
+
+NOTE [ No chain into a value-dependent derivative ]
+A chain's reads share one rounding: the batch norm's backward reads ``n̂`` and the
+activation's backward reads ``x̂ = a·n̂ + c``. For ReLU and the other piecewise-linear ops
+the derivative comes from the exact region code and the shared noise meets nothing. An op
+whose derivative depends on the value inside its region (``derived.VALUE_DEPENDENT``:
+hardswish, ELU/SELU, CELU, SiLU, GELU, Mish) reads ``f'(x̂)``, and the batch norm multiplies
+that with ``n̂``: its weight's gradient ``Σ g·n̂`` with ``g = u·f'(x̂)``, and the
+``n̂·mean(g·n̂)`` term of its input's gradient. ``E[f'(a·n̂ + c)·n̂] = f'(x)·n + a·f''·Var(n̂)``
+for hardswish's linear ``f'`` (about so for the others): a bias at every value, of one
+sign wherever ``f''`` keeps one, summed over the batch into the batch norm's parameters
+and from there into every gradient upstream. Separate records round independently, and
+the product's mean is the product of the means.
+
+So a value-dependent op's input keeps a record of its own (its output is recomputed from
+that record, raised by the output's bits: NOTE [ Outputs recomputed from the input ] in
+derived.py), and the batch norm's input keeps its own, still in normalised coordinates (at
+its own bits: in raw coordinates EfficientNet-B0's 20-step run of ``benchmarks/fidelity.py``
+reached 86% of plain's loss drop instead of 99%). The op is known only once its output is
+seen, after its input was packed (NOTE [ Finding the op that saved a tensor ] in
+regions.py), so the match marks the input's slot (as for NOTE [ Roots known from the last
+forward ] in packing.py), and the next forward packs the tensor at that slot as a record of
+its own; a slot not confirmed in a forward is forgotten. The first forward, and the first
+after the model's graph changes, still chain. Measured with ``benchmarks/gradient_bias.py
+--act NAME`` (DigitsNet, 2 bits, 128 draws at fixed weights), the whole gradient's mean
+against what unbiased draws would give: hardswish 4.5 -> 1.17, ELU 5.1 -> 1.07, SiLU 6.3 ->
+2.3, GELU 1.5 -> 1.3, Mish 5.3 -> 3.6 (ReLU, never chained this way, 0.99). The cost is
+bytes and noise per draw: the chain held the three tensors in one 4-bit record, now ``z``
+keeps 2 bits and ``x`` 4 (hardswish net 15.5x -> 12.9x; one draw's error 19% -> 26% of the
+gradient's norm). In ``fidelity.py`` (seed 0): MobileNetV3 default 10.0x -> 9.6x, ``bits=2``
+12.3x -> 10.4x, EfficientNet-B0 ``bits=2`` 19.4x -> 14.1x, every loss drop 97-99% of plain's
+as before. Keeping ``x`` at its own 2 bits with ``y`` read from it (4 bits in all, as the
+chain) left the hardswish net's gradient biased (1.9x, ``f(x̂)``'s curvature at the coarser
+step) and EfficientNet-B0 at 91-95% of plain's drop.
+
+What is left on SiLU and Mish is the curvature of the derivative itself:
+``E[f'(x̂)] - f'(x) ≈ f'''·Var(x̂)/2`` (hardswish's ``f'`` is linear and shows none). At 4
+bits (``x`` at 8) Mish's draws are unbiased (ratio 0.99).
 """
 
 from __future__ import annotations

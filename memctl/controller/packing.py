@@ -162,7 +162,14 @@ from memctl.codecs.lossless.codec import bits_record
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
-from memctl.controller.derived import DERIVED_MAX_BITS, Derived, reshaped_from, root_of, width_within
+from memctl.controller.derived import (
+    DERIVED_MAX_BITS,
+    VALUE_DEPENDENT,
+    Derived,
+    reshaped_from,
+    root_of,
+    width_within,
+)
 from memctl.controller.expressions import Expression, build, is_elementwise
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
@@ -365,6 +372,9 @@ class Packer:
         # NOTE [ Roots known from the last forward ]
         self._root_hints: set[_Slot] = set()
         self._root_hints_next: set[_Slot] = set()
+        # NOTE [ No chain into a value-dependent derivative ] in normalized.py
+        self._own_hints: set[_Slot] = set()
+        self._own_hints_next: set[_Slot] = set()
         self.packs = 0
         self.passed = 0
         self.fsdp_passed = 0
@@ -456,6 +466,7 @@ class Packer:
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
             self._root_hints, self._root_hints_next = self._root_hints_next, set()
+            self._own_hints, self._own_hints_next = self._own_hints_next, set()
             self._hints_packs = self.packs
         if not self._micro.empty:
             self._done.append(self._micro)
@@ -765,6 +776,9 @@ class Packer:
         for pending, part in self._regions.matches(t, node):
             saved = pending.saved()
             if saved is not None:
+                if saved.slot is not None and type(pending.op).__name__ in VALUE_DEPENDENT and (
+                        isinstance(saved.data, Derived) or saved.slot in self._own_hints):
+                    self._own_hints_next.add(saved.slot)  # NOTE [ No chain into a value-dependent ... ]
                 if part is not None:
                     self._attach_region(saved, part, pending.source, pending.layer)
                 root = root_of(saved).data  # NOTE [ Batch-norm outputs recomputed from the input ]
@@ -1416,6 +1430,10 @@ class Packer:
         chain = chain_of(t)
         if chain is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
+        slot: _Slot = (layer, rec.tensors, t.numel())
+        # NOTE [ No chain into a value-dependent derivative ]: t keeps its own record, z's moves
+        # to normalised coordinates at its own bits all the same
+        own = slot in self._own_hints
         pending = self._regions.pending(chain.source, chain.source_node)
         z_saved = pending.saved() if pending is not None else None
         if pending is None or z_saved is None or pending.source.shape != t.shape:
@@ -1439,29 +1457,34 @@ class Packer:
                         and verified(lambda v: z_of(normalise(v)), z, z)):
                     return None  # not rebuilt from the node: keep t's own record
                 self._regions.outputs.verified.add(key)
-            if part is not None:
+            if part is not None and not own:
                 region = self._region_code(t.detach(), part)
             if root is z_saved:  # the first output read from z: z's record moves to normalised coordinates
                 n = normalise(z)
                 normalised = Saved(root.data, n, layer=z_saved.layer)
-                if not self._raise_root(normalised, n, int(bits), layer, rec, force=True, hidden=True):
+                if not self._raise_root(normalised, n, 0 if own else int(bits), layer, rec, force=True,
+                                        hidden=True):
                     return None
                 z_saved.data, root = Derived(normalised, z_of), normalised
                 if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
                     self._root_hints_next.add(z_saved.slot)
                 if self._batches.deferred:
                     self._settle_deferred()
-            elif n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
+            elif own or n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
                 return None
         except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
             self._on_fallback(layer, exc)
             return None
         self._regions.outputs.remember(root, n)
+        if own:
+            return None
         if region is not None:
             rec.packed_bytes += region.nbytes
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
-        return Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
+        saved = Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
+        saved.slot = slot
+        return saved
 
     def _derive_norm(self, t: torch.Tensor, floor: int, layer: str) -> Saved | None:
         """``t``, a norm's output at the norm's floor, recomputed from the norm's input record

@@ -531,3 +531,51 @@ def test_max_pooling_takes_the_unclamped_values_and_the_same_gradient(
     assert pooled and any(bool((r < 0).any()) for r in pooled)  # the unclamped values
     monkeypatch.setattr(packing, "_VALUE_READERS", packing._VALUE_READERS - {"MaxPool2DWithIndicesBackward0"})
     assert torch.equal(gradient(), got)
+
+
+def _batch_norm_weight_draws(act: Callable[[], nn.Module], draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch norm's weight gradient of ``_Block(act)`` at fixed weights: exact, and one row per
+    draw of the codec's rounding at 2 bits (the first step's draw left out: it chains, having no
+    hint from a forward before it)."""
+    model = _model(act)
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(x).square().mean().backward()
+    exact = model.bn.weight.grad.clone()
+    opt.zero_grad()
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    rows = []
+    for _ in range(draws + 1):  # the weights stay (lr 0); each step draws the codec's rounding anew
+        model(x).square().mean().backward()
+        rows.append(model.bn.weight.grad.clone())
+        opt.step()
+        opt.zero_grad()
+    ctl.detach()
+    return exact, torch.stack(rows[1:])
+
+
+def _bias_statistic(exact: torch.Tensor, rows: torch.Tensor) -> float:
+    """Mean over channels of the squared bias over its standard error: about 1 for unbiased draws."""
+    se = rows.std(0) / rows.shape[0] ** 0.5
+    return float(((rows.mean(0) - exact) / se).square().mean())
+
+
+@pytest.mark.parametrize("act", [nn.Hardswish, nn.SiLU, nn.ELU])
+def test_a_value_dependent_activation_does_not_share_the_batch_norm_input_record(
+        act: Callable[[], nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ No chain into a value-dependent derivative ]: from the second forward on, such an
+    activation's input is a record of its own, and the batch norm's weight gradient is unbiased;
+    chained as before (the hints switched off) it is biased far beyond the draws' noise."""
+    records = _records(monkeypatch)
+    exact, rows = _batch_norm_weight_draws(act, draws=96)
+    kinds = [(name, type(saved.data).__name__) for name, saved in records]
+    per_step = len(kinds) // 97
+    first, later = kinds[:per_step], kinds[-per_step:]
+    assert ("NativeBatchNormBackward0", "Derived") in first  # the first forward chains
+    assert not any(name == "NativeBatchNormBackward0" and kind == "Derived" for name, kind in later)
+    assert _bias_statistic(exact, rows) < 3.0
+    monkeypatch.setattr(packing, "VALUE_DEPENDENT", frozenset())
+    chained_exact, chained = _batch_norm_weight_draws(act, draws=96)
+    assert torch.equal(chained_exact, exact)
+    assert _bias_statistic(exact, chained) > 20.0
