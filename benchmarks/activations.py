@@ -8,7 +8,10 @@ The net is two conv -> BatchNorm -> activation blocks, a global mean and a linea
 each activation, bit width and seed it computes the weight gradient of one batch with
 ``Controller(model, opt, bits=b, bit_choices=(b,))`` (every layer at ``b`` bits) and
 plain, and prints the mean and the lowest cosine over the seeds, and the activation
-ratio memctl reports. Modes:
+ratio memctl reports. The measured step follows ``--warm`` steps (default 1) at learning
+rate 0 on the same batch: memctl's records from the second forward on are those of a
+training run (its first forward still chains a value-dependent activation's input, NOTE [
+No chain into a value-dependent derivative ] in memctl/controller/normalized.py). Modes:
 
     derived    as shipped (NOTE [ Outputs recomputed from the input ] in memctl/controller/derived.py,
                NOTE [ Batch-norm outputs recomputed from the input ] in normalized.py,
@@ -69,6 +72,10 @@ class ConvNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+WARM = 1
+"""Steps run with memctl attached before the measured one (``--warm``)."""
+
+
 def weight_grad(name: str, bits: int | None, seed: int) -> tuple[torch.Tensor, float]:
     torch.manual_seed(seed)
     model = ConvNet(ACTIVATIONS[name])
@@ -79,6 +86,10 @@ def weight_grad(name: str, bits: int | None, seed: int) -> tuple[torch.Tensor, f
     if bits is not None:
         ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
                                 **OPTIONS)
+        for _ in range(WARM):  # lr 0: the weights stay; the records the later forwards make
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     ratio = float("nan")
     if ctl is not None:
@@ -193,9 +204,14 @@ def main() -> None:
     parser.add_argument("--bits", default="8,4,2")
     parser.add_argument("--mode", choices=("derived", "no-chain", "image", "separate", "exact-act"),
                         default="derived")
+    parser.add_argument("--warm", type=int, default=1,
+                        help="steps with memctl before the measured one (0: its first forward, which chains "
+                             "every batch-norm output: NOTE [ No chain into a value-dependent derivative ])")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also train a MobileNet-style net this many steps, plain and at 2 bits")
     args = parser.parse_args()
+    global WARM
+    WARM = args.warm
     _set_mode(args.mode)
     torch.set_num_threads(1)
     print(f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {platform.machine()}, torch "
