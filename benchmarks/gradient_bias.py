@@ -15,6 +15,7 @@ are the same in every pass), and prints:
   noise; a bias shows as a ratio that grows with N).
 
     python benchmarks/gradient_bias.py [--draws 256] [--bits 2] [--mode as-is|no-chain] [--act relu6]
+    python benchmarks/gradient_bias.py --model gpt2 --warmup 10 --top 12   # a fidelity.py model
 
 ``--mode no-chain`` keeps batch-norm outputs in records of their own (no chains, NOTE [
 Batch-norm outputs recomputed from the input ]). ``--act`` puts another activation in place
@@ -26,6 +27,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,6 +48,8 @@ ACTIVATIONS = {
     "silu": lambda: nn.SiLU(),
     "gelu": lambda: nn.GELU(),
     "mish": lambda: nn.Mish(),
+    "tanh": lambda: nn.Tanh(),
+    "sigmoid": lambda: nn.Sigmoid(),
 }
 
 
@@ -61,6 +67,45 @@ def _flat(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return torch.cat([g.reshape(-1) for g in per.values()]), per
 
 
+def _digits_model(act: str, seed: int, warmup: int) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """DigitsNet with ``act`` after ``warmup`` plain Adam steps, and the loss of one fixed batch."""
+    xtr, ytr, _, _ = _digits(torch.device("cpu"))
+    model = _with_activation(DigitsNet(), act)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for i in range(warmup):
+        idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(100 + i))
+        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+    idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(7 + seed))
+    x, y = xtr[idx], ytr[idx]
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+def _fidelity_model(model_name: str, seed: int,
+                    warmup: int) -> tuple[nn.Module, Callable[[], torch.Tensor], str]:
+    """A model of ``benchmarks/fidelity.py`` (its library installed) after ``warmup`` plain AdamW
+    steps on that script's batches, and the loss of its first batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fidelity
+
+    spec = fidelity.SPECS.get(model_name)
+    if spec is None:
+        raise SystemExit(f"unknown --model {model_name!r}; choose from {', '.join(fidelity.SPECS)}")
+    missing = fidelity._available(spec)
+    if missing:
+        raise SystemExit(missing)
+    model = spec.build()
+    batches = fidelity.make_batches(spec, max(warmup, 1), seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    for x, y in batches[:warmup]:
+        fidelity.loss_of(spec, model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    x, y = batches[0]
+    return model, lambda: fidelity.loss_of(spec, model, x, y), model_name
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draws", type=int, default=256)
@@ -71,21 +116,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--act", choices=sorted(ACTIVATIONS), default="relu",
                     help="the model's activation (default: its own in-place ReLU)")
+    ap.add_argument("--model", default="",
+                    help="a model of benchmarks/fidelity.py (its extra installed) instead of DigitsNet")
+    ap.add_argument("--top", type=int, default=0, help="print only the N parameters with the largest ratio")
     args = ap.parse_args(argv)
     if args.mode == "no-chain":
         packing.chain_of = lambda t: None
 
     torch.manual_seed(args.seed)
-    xtr, ytr, _, _ = _digits(torch.device("cpu"))
-    model = _with_activation(DigitsNet(), args.act)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    for i in range(args.warmup):
-        idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(100 + i))
-        nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-        opt.step()
-        opt.zero_grad()
-    idx = torch.randint(0, len(xtr), (128,), generator=torch.Generator().manual_seed(7 + args.seed))
-    x, y = xtr[idx], ytr[idx]
+    if args.model:
+        model, loss_of, name = _fidelity_model(args.model, args.seed, args.warmup)
+    else:
+        model, loss_of = _digits_model(args.act, args.seed, args.warmup)
+        name = f"DigitsNet ({args.act})"
     state = {k: v.clone() for k, v in model.state_dict().items()}
     fixed = torch.optim.SGD(model.parameters(), lr=0.0)
 
@@ -93,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(state)  # the batch norms' running statistics as they were
         torch.manual_seed(1234)  # the same dropout mask in every pass
         fixed.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss_of().backward()
         return _flat(model)
 
     exact, exact_per = gradient()
@@ -102,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     totals = {n: torch.zeros_like(g) for n, g in exact_per.items()}
     single = {n: 0.0 for n in exact_per}
     errors: list[float] = []
-    print(f"DigitsNet ({args.act}), {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed "
+    print(f"{name}, {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed "
           f"weights (after {args.warmup} plain steps)")
     print(f"{'N':>6} {'one draw':>10} {'mean of N':>10} {'unbiased':>10}")
     checkpoints = {4**k for k in range(12)}
@@ -121,17 +164,23 @@ def main(argv: list[str] | None = None) -> None:
     stats = ctl.stats()
     ctl.detach()
     print(f"average bits {stats['avg_bits']:.2f}, ratio {stats['ratio']:.1f}x")
-    print(f"{'parameter':<20} {'mean of N':>10} {'unbiased':>10} {'ratio':>7}")
-    for name, v in totals.items():
-        norm = float(exact_per[name].norm())
+    rows: list[tuple[str, float, float | None]] = []
+    for pname, v in totals.items():
+        norm = float(exact_per[pname].norm())
         if norm == 0.0:
             continue
-        mean = float((v / args.draws - exact_per[name]).norm()) / norm
-        unbiased = single[name] / args.draws / math.sqrt(args.draws)
-        if unbiased < 1e-6:  # read from no compressed record: exact up to rounding
-            print(f"{name:<20} {mean:>10.5f} {'exact':>10} {'':>7}")
-            continue
-        print(f"{name:<20} {mean:>10.5f} {unbiased:>10.5f} {mean / unbiased:>7.2f}")
+        mean = float((v / args.draws - exact_per[pname]).norm()) / norm
+        unbiased = single[pname] / args.draws / math.sqrt(args.draws)
+        rows.append((pname, mean, unbiased if unbiased >= 1e-6 else None))  # None: read from no lossy record
+    if args.top:
+        rows = sorted((r for r in rows if r[2] is not None), key=lambda r: -r[1] / (r[2] or 1.0))[:args.top]
+    width = max([20, *(len(r[0]) for r in rows)])
+    print(f"{'parameter':<{width}} {'mean of N':>10} {'unbiased':>10} {'ratio':>7}")
+    for pname, mean, unbiased in rows:
+        if unbiased is None:
+            print(f"{pname:<{width}} {mean:>10.5f} {'exact':>10} {'':>7}")
+        else:
+            print(f"{pname:<{width}} {mean:>10.5f} {unbiased:>10.5f} {mean / unbiased:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,7 @@ from memctl.controller.norm_outputs import NormInputs
 from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
+from memctl.controller.squares import SQUARE_READERS, square_read
 from memctl.controller.stats import LayerStep
 from memctl.controller.timing import Timings
 from memctl.controller.versions import SavedRef, autograd_wording, check_version
@@ -795,7 +796,13 @@ class Packer:
             if saved.saved is None:  # read while the queue is packed, before its turn: exact
                 return cast(torch.Tensor, saved.tensor)
             saved = saved.saved
-        return self._unpack(cast(_Handle, saved))
+        out = self._unpack(cast(_Handle, saved))
+        if type(saved) is Saved and isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+            node = _current_node()
+            center = SQUARE_READERS.get(type(node).__name__) if node is not None else None
+            if center is not None:  # NOTE [ Squares of a rounded result ] in squares.py
+                return square_read(out, saved.data, center)
+        return out
 
     def _unpack(self, saved: _Handle) -> torch.Tensor:
         if self._peeking:  # a node's field read in the forward: exact records only, nothing decoded lossily

@@ -20,7 +20,8 @@ from numba import prange
 from memctl.codecs import _rng
 from memctl.codecs._numba import cached_jit
 
-__all__ = ["decode", "decode_affine", "decode_affine_serial", "decode_serial", "encode", "encode_serial"]
+__all__ = ["decode", "decode_affine", "decode_affine_serial", "decode_serial", "encode", "encode_serial",
+           "square_read_serial"]
 
 _lowbias32 = numba.njit(inline="always")(_rng.lowbias32_numba)
 
@@ -362,3 +363,22 @@ def decode_affine_serial(
     _decode_affine_groups(
         payload, meta, 0, meta.shape[0], group, bits, out, sub, scale, shift, inner, mask, masked, floor,
     )
+
+
+@cached_jit(fastmath=False)
+def square_read_serial(values: Any, meta: Any, group: Any, bits: Any, center: Any, out: Any) -> None:
+    """``out``: ``values`` (a record's decode, group ``i // group`` with ``meta[i // group]``)
+    moved towards ``center`` so their squared distance from it falls by ``step**2 / 6``
+    (clamped at 0), on their side of it (NOTE [ Squares of a rounded result ] in
+    memctl/controller/squares.py)."""
+    big = np.float32((1 << bits) - 1)
+    sixth = np.float32(1.0 / 6.0)
+    n = values.size
+    for g in range(meta.shape[0]):
+        step = (meta[g, 1] - meta[g, 0]) / big
+        var = step * step * sixth
+        for i in range(g * group, min(n, (g + 1) * group)):
+            d = values[i] - center
+            r2 = d * d - var
+            r = np.float32(np.sqrt(r2)) if r2 > 0 else np.float32(0.0)
+            out[i] = center + (r if d >= 0 else -r)

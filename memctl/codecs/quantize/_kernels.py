@@ -99,6 +99,7 @@ __all__ = [
     "decode_cuda",
     "encode_cpu",
     "encode_cuda",
+    "square_read_cpu",
 ]
 
 _CHUNKS_PER_THREAD = 16
@@ -124,10 +125,11 @@ def cpu_kernels() -> ModuleType:
     enc = [(f32, i64, i64, i64, meta, u8, nt.int64[::1], u8, nt.boolean)]
     dec = [(u8, meta, i64, i64, f32, u8, nt.boolean, nt.float32)]
     aff = [(u8, meta, i64, i64, f32, f32, f32, f32, i64, u8, nt.boolean, nt.float32)]
+    sq = [(f32, meta, i64, i64, nt.float32, f32)]
     _numba.prepare(
         "quantize",
         [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec),
-         (_cpu.decode_affine, aff), (_cpu.decode_affine_serial, aff)],
+         (_cpu.decode_affine, aff), (_cpu.decode_affine_serial, aff), (_cpu.square_read_serial, sq)],
     )
     return _cpu
 
@@ -217,6 +219,20 @@ def decode_affine_cpu(
 
             _numba.launch(k.decode_affine, k.decode_affine_serial, *args)
     return out
+
+
+def square_read_cpu(values: torch.Tensor, meta: Any, bits: int, group: int,
+                    center: float) -> torch.Tensor:
+    """NOTE [ Squares of a rounded result ] in memctl/controller/squares.py, in one pass over
+    ``values`` (a contiguous float32 CPU tensor, the decode of a record whose group ranges are
+    the float32 array ``meta``). NumPy around the kernel: a recurrent net reads hundreds of
+    small records a step this way, and each PyTorch call costs a microsecond or two."""
+    vals = values.numpy()
+    out = np.empty_like(vals)
+    if vals.size:
+        cpu_kernels().square_read_serial(vals.reshape(-1), meta, group, bits, np.float32(center),
+                                         out.reshape(-1))
+    return torch.from_numpy(out)
 
 
 def cuda_kernels() -> Any:
