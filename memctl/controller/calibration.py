@@ -52,9 +52,14 @@ Pooling the widths from 2 bits up ]). An unmeasured 1 bit comes from 2 bits by t
 times the largest 1-bit/2-bit excess seen on any layer (8 until one is seen); an
 unmeasured width >= 2 of a layer measured only at 1 bit, from 1 bit by the law. An
 unmeasured layer takes the factor fitted for its bit width (NOTE [ Unmeasured layers ]),
-and before the first fit the largest factor of any measured layer. A bit width below 2 is allowed for a layer
-only once it has been measured there (:meth:`Calibration.floor`): 1 bit is the width
-whose damage the closed form hides.
+and before the first fit the largest factor of any measured layer. A bit width below 2 is
+allowed for a layer only once it has been measured there (:meth:`Calibration.floor`): 1 bit
+is the width whose damage the closed form hides. With the probes off
+(``calibration_fraction=0``) nothing is ever measured, so no layer gets 1 bit unless 1 bit
+is all ``bit_choices`` offers. (Before, the closed form alone decided there: MobileNetV3 of
+``benchmarks/fidelity.py`` at ``bits=2`` took 1 bit on 76 of its 104 layers and 8 bits on
+8, and one draw of its gradient at fixed weights was 6-8 times the gradient's norm off,
+against 0.48 with every layer at 2 bits; ``benchmarks/gradient_bias.py --model``.)
 
 The same probe measures the minibatch gradient's own variance (the reference of the
 variance bound): the batch is replayed as two halves A and B, each against its part of
@@ -303,9 +308,8 @@ class Calibration:
 
     def floor(self, state: LayerState) -> float | None:
         """The lowest bit width the allocation may give ``state`` (None: no floor): 2 bits
-        until 1 bit is measured, and above any width that produced an absurd draw."""
-        if not self.enabled:
-            return None
+        until 1 bit is measured (with the probes off, never), and above any width that
+        produced an absurd draw."""
         choices = self._config.bit_choices
         floors: list[float] = []
         safe = [b for b in choices if b >= 2]

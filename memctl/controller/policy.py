@@ -15,20 +15,19 @@ The objectives and solvers: docs/design.md, "The allocation".
 The variance of each choice is the calibrated model's (NOTE [ Calibration ]).
 
 NOTE [ Default policy ]
-``Controller(model, optimizer)`` with neither ``bits`` nor a budget solves AC-GC's
-problem: the fewest bytes whose added variance stays under ``variance_bound`` times the
-minibatch gradient's own variance (measured by the calibration; its squared norm, then
-the closed form's 1-bit total, until it is). ``bits=`` keeps least variance at that
-average, a budget least variance within it; an explicit ``objective`` overrides all.
-Every policy respects the floors of the convergence guard (NOTE [ Convergence guard ])
-and, while calibrating, gives no layer 1 bit before it was measured there. Before its
-first allocation (the first step, and a layer first seen later) the default policy keeps
-the most precise bit choice: that step runs before the calibration has measured
-anything, and one step at 2 bits on a layer that cannot take them (a ViT's patch
-embedding, MobileNetV3's hardswish inputs: hundreds of times the gradient's own
-variance) is one very large random update, which Adam's second-moment estimate then
-remembers for hundreds of steps (ViT: 74% of plain's loss drop over 20 steps at the
-default policy although every later step ran at 8 bits).
+``Controller(model, optimizer)`` with neither ``bits`` nor a budget solves AC-GC's problem:
+the fewest bytes whose added variance stays under ``variance_bound`` times the minibatch
+gradient's own variance (measured by the calibration; its squared norm, then the closed
+form's 1-bit total, until it is). ``bits=`` keeps least variance at that average, a budget
+least variance within it; an explicit ``objective`` overrides all. Every policy respects the
+floors of the convergence guard (NOTE [ Convergence guard ]) and gives no layer 1 bit before
+the calibration measured it there (with the probes off, never). Before its first allocation
+(the first step, and a layer first seen later) the default policy keeps the most precise bit
+choice: that step runs before the calibration has measured anything, and one step at 2 bits
+on a layer that cannot take them (a ViT's patch embedding, MobileNetV3's hardswish inputs:
+hundreds of times the gradient's own variance) is one very large random update, which Adam's
+second-moment estimate then remembers for hundreds of steps (ViT: 74% of plain's loss drop
+over 20 steps at the default policy although every later step ran at 8 bits).
 
 The bound is 0.05. Added variance ``v · tr Var(g)`` is what the same training at batch
 ``N / (1 + v)`` has anyway (the minibatch gradient's variance is ``tr Var(g₁) / N``), so
