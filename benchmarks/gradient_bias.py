@@ -9,8 +9,10 @@ of 128 images, takes the exact gradient, then ``--draws`` gradients with memctl 
 are the same in every pass), and prints:
 
 - at N = 1, 4, 16, 64, 256, ...: one draw's mean relative error, the relative error of the
-  mean of N draws, and what the latter would be for unbiased draws (the former over
-  ``sqrt(N)``);
+  mean of N draws, and what the latter would be for unbiased independent draws (the root
+  mean square of one draw's error over ``sqrt(N)``: ``E‖mean − exact‖² = E‖e‖² / N``; the
+  mean error instead, as before 2026-11-27, understates it where some draws are far worse
+  than others);
 - per parameter: the same at the last N, and their ratio (1 for unbiased draws, up to
   noise; a bias shows as a ratio that grows with N).
 
@@ -156,11 +158,12 @@ def main(argv: list[str] | None = None) -> None:
         errors.append(float((g - exact).norm() / exact.norm()))
         for name, v in per.items():
             totals[name] += v
-            single[name] += float((v - exact_per[name]).norm() / exact_per[name].norm().clamp_min(1e-30))
+            single[name] += float((v - exact_per[name]).norm() / exact_per[name].norm().clamp_min(1e-30)) ** 2
         if n in checkpoints or n == args.draws:
             one = sum(errors) / n
+            rms = math.sqrt(sum(e * e for e in errors) / n)
             mean = float((total / n - exact).norm() / exact.norm())
-            print(f"{n:>6} {one:>10.5f} {mean:>10.5f} {one / math.sqrt(n):>10.5f}", flush=True)
+            print(f"{n:>6} {one:>10.5f} {mean:>10.5f} {rms / math.sqrt(n):>10.5f}", flush=True)
     stats = ctl.stats()
     ctl.detach()
     print(f"average bits {stats['avg_bits']:.2f}, ratio {stats['ratio']:.1f}x")
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         if norm == 0.0:
             continue
         mean = float((v / args.draws - exact_per[pname]).norm()) / norm
-        unbiased = single[pname] / args.draws / math.sqrt(args.draws)
+        unbiased = math.sqrt(single[pname] / args.draws) / math.sqrt(args.draws)
         rows.append((pname, mean, unbiased if unbiased >= 1e-6 else None))  # None: read from no lossy record
     if args.top:
         rows = sorted((r for r in rows if r[2] is not None), key=lambda r: -r[1] / (r[2] or 1.0))[:args.top]
