@@ -47,11 +47,6 @@ SQUARE_READERS: dict[str, float] = {"TanhBackward0": 0.0, "SigmoidBackward0": 0.
 """Backward nodes reading their saved result squared, and their parabola's vertex ``c``."""
 
 
-def _meta(data: Any) -> torch.Tensor:
-    """A quantize record's group ranges."""
-    return data.buffers["meta"]
-
-
 def _meta_array(data: Any) -> Any:
     """A quantize record's group ranges as a float32 NumPy array when they are contiguous on the
     CPU (a batch record's rows of its batch's, without the views its ``buffers`` would make), else None."""
@@ -66,7 +61,7 @@ def _meta_array(data: Any) -> Any:
 
 def rounding_variance(data: Any) -> torch.Tensor:
     """``Δ²/6`` per value of a quantize record (its group's step ``Δ``), float32, in its shape."""
-    meta = _meta(data)
+    meta = data.buffers["meta"]
     bits, group = int(data.params["bits"]), int(data.params["group_size"])
     step = (meta[:, 1] - meta[:, 0]) / float((1 << bits) - 1)
     per_group = step.square_().div_(6.0)

@@ -15,6 +15,7 @@ from torch import nn
 import memctl
 from memctl.controller import derived, normalized, packing
 from memctl.controller.derived import Derived, root_of, width_within
+from tests.controller.draws import bias_over_noise
 
 
 class _Block(nn.Module):
@@ -555,12 +556,6 @@ def _batch_norm_weight_draws(act: Callable[[], nn.Module], draws: int) -> tuple[
     return exact, torch.stack(rows[1:])
 
 
-def _bias_statistic(exact: torch.Tensor, rows: torch.Tensor) -> float:
-    """Mean over channels of the squared bias over its standard error: about 1 for unbiased draws."""
-    se = rows.std(0) / rows.shape[0] ** 0.5
-    return float(((rows.mean(0) - exact) / se).square().mean())
-
-
 @pytest.mark.parametrize("act", [nn.Hardswish, nn.SiLU, nn.ELU])
 def test_a_value_dependent_activation_does_not_share_the_batch_norm_input_record(
         act: Callable[[], nn.Module], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -574,8 +569,8 @@ def test_a_value_dependent_activation_does_not_share_the_batch_norm_input_record
     first, later = kinds[:per_step], kinds[-per_step:]
     assert ("NativeBatchNormBackward0", "Derived") in first  # the first forward chains
     assert not any(name == "NativeBatchNormBackward0" and kind == "Derived" for name, kind in later)
-    assert _bias_statistic(exact, rows) < 3.0
+    assert bias_over_noise(exact, rows) < 3.0
     monkeypatch.setattr(packing, "VALUE_DEPENDENT", frozenset())
     chained_exact, chained = _batch_norm_weight_draws(act, draws=96)
     assert torch.equal(chained_exact, exact)
-    assert _bias_statistic(exact, chained) > 20.0
+    assert bias_over_noise(exact, chained) > 20.0

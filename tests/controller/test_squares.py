@@ -12,6 +12,7 @@ import memctl
 from memctl.codecs.quantize.codec import QuantizeCodec
 from memctl.controller import packing
 from memctl.controller.squares import SQUARE_READERS, rounding_variance, square_read
+from tests.controller.draws import bias_over_noise
 
 
 @pytest.mark.parametrize(("fn", "gain", "center", "shrink"), [
@@ -106,22 +107,16 @@ def _first_layer_draws(draws: int) -> tuple[torch.Tensor, torch.Tensor]:
     return exact, torch.stack(rows)
 
 
-def _bias_over_noise(exact: torch.Tensor, rows: torch.Tensor) -> float:
-    """Mean over values of the squared bias over its standard error: about 1 for unbiased draws."""
-    se = rows.std(0) / rows.shape[0] ** 0.5
-    return float(((rows.mean(0) - exact) / se).square().mean())
-
-
 def test_the_gradient_through_a_tanh_is_far_less_biased(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the corrected read, the mean of 96 draws of the gradient before the tanh is within a
     few standard errors of the exact one; read as decoded, it is far off (the derivative too
     small by the rounding's variance at every value)."""
     exact, rows = _first_layer_draws(96)
-    corrected = _bias_over_noise(exact, rows)
+    corrected = bias_over_noise(exact, rows)
     monkeypatch.setattr(packing, "SQUARE_READERS", {})
     plain_exact, plain = _first_layer_draws(96)
     assert torch.equal(plain_exact, exact)
-    uncorrected = _bias_over_noise(exact, plain)
+    uncorrected = bias_over_noise(exact, plain)
     assert corrected < 5.0 and uncorrected > 12.0 and uncorrected > 4 * corrected, (corrected, uncorrected)
 
 
