@@ -28,10 +28,12 @@ memctl/controller/normalized.py has the figures). Prints figures, asserts nothin
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +64,17 @@ def _with_activation(model: nn.Module, name: str) -> nn.Module:
             if isinstance(child, nn.ReLU):
                 setattr(parent, child_name, ACTIVATIONS[name]())
     return model
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` as a Controller keyword: VALUE read as a Python literal, else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--option {text!r}: expected KEY=VALUE, e.g. log_prob_bits=8")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _flat(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -121,7 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="",
                     help="a model of benchmarks/fidelity.py (its extra installed) instead of DigitsNet")
     ap.add_argument("--top", type=int, default=0, help="print only the N parameters with the largest ratio")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Controller keyword, e.g. log_prob_bits=8 or norm_bits=None (repeatable)")
     args = ap.parse_args(argv)
+    options: dict[str, Any] = dict(_option(o) for o in args.option)
     if args.mode == "no-chain":
         packing.chain_of = lambda t: None
 
@@ -142,12 +158,14 @@ def main(argv: list[str] | None = None) -> None:
         return _flat(model)
 
     exact, exact_per = gradient()
-    ctl = memctl.Controller(model, fixed, bits=args.bits, calibration_fraction=0.0, monitor_interval_s=0)
+    ctl = memctl.Controller(model, fixed, bits=args.bits, calibration_fraction=0.0, monitor_interval_s=0,
+                            **options)
     total = torch.zeros_like(exact)
     totals = {n: torch.zeros_like(g) for n, g in exact_per.items()}
     single = {n: 0.0 for n in exact_per}
     errors: list[float] = []
-    print(f"{name}, {args.bits:g} bits, mode {args.mode}, {args.draws} draws at fixed "
+    print(f"{name}, {args.bits:g} bits, mode {args.mode}, options {options or {}}, {args.draws} draws "
+          f"at fixed "
           f"weights (after {args.warmup} plain steps)")
     print(f"{'N':>6} {'one draw':>10} {'mean of N':>10} {'unbiased':>10}")
     checkpoints = {4**k for k in range(12)}

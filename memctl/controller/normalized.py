@@ -193,6 +193,9 @@ class Chain:
 class _Source:
     """``z`` from ``n``: ``n/invstd + mean`` (NOTE [ Batch-norm outputs ... ])."""
 
+    normalised = True
+    """Its record holds the batch norm's normalised input (NOTE [ A batch norm's input read twice ])."""
+
     def __init__(self, mean: torch.Tensor, invstd: torch.Tensor, flat_mean: torch.Tensor, std: torch.Tensor,
                  zero: torch.Tensor, dtype: torch.dtype) -> None:
         self._mean, self._invstd, self._flat_mean, self._std = mean, invstd, flat_mean, std

@@ -166,6 +166,7 @@ from memctl.controller.derived import (
     DERIVED_MAX_BITS,
     VALUE_DEPENDENT,
     Derived,
+    reads_back,
     reshaped_from,
     root_of,
     width_within,
@@ -178,6 +179,7 @@ from memctl.controller.inputs import ModelInputs
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.norm_outputs import NormInputs
+from memctl.controller.norm_reads import NORM_NODES, NormReads
 from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
@@ -235,6 +237,9 @@ _VALUE_READERS = frozenset({"ConvolutionBackward0", "MkldnnConvolutionBackward0"
                             "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0",
                             "MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0"})
 
+
+_MOST_PLACES = 4096
+"""Places remembered at most by NOTE [ A derived output read back into its derivative ]."""
 
 _Slot = tuple[str, int, int]
 """A record's layer, its place among the layer's packs in the forward, and its number of values."""
@@ -356,6 +361,7 @@ class Packer:
         self._floors = FloorTracker({ATTENTION: config.attention_bits, VALUES: config.attention_value_bits,
                                      NORM: config.norm_bits})
         self._norms = NormInputs()  # NOTE [ Norm outputs recomputed from the input ]
+        self._norm_reads = NormReads(lambda: self._reading_fields(any_exact=True), on_fallback)
         self.inputs = ModelInputs()
         """The model's own inputs, saved by reference (NOTE [ Model inputs ])."""
         self.collector = CollectorPause(config.pause_collector)
@@ -375,6 +381,10 @@ class Packer:
         self._root_hints_next: set[_Slot] = set()
         # NOTE [ No chain into a value-dependent derivative ] in normalized.py
         self._own_hints: set[_Slot] = set()
+        # NOTE [ A derived output read back into its derivative ]: by place (layer, pack number)
+        self._own_outputs: set[tuple[str, int]] = set()
+        self._harmless_reads: set[tuple[tuple[str, int], str]] = set()
+        self._declined = False
         self._own_hints_next: set[_Slot] = set()
         self.packs = 0
         self.passed = 0
@@ -448,6 +458,7 @@ class Packer:
         self._regions.clear()
         self._floors.clear()
         self._norms.clear()
+        self._norm_reads.clear()
 
     def begin_forward(self, samples: int) -> None:
         """A top-level forward of the model starts a micro-batch (NOTE [ Micro-batches ])."""
@@ -767,6 +778,8 @@ class Packer:
             node = t.grad_fn if isinstance(t, torch.Tensor) else None
             if node is not None:
                 self._match(t, node)
+                # NOTE [ A batch norm's input read twice ] in norm_reads.py
+                self._norm_reads.watch(t, node, self._tracker.current)
                 if self._producers and t.is_floating_point():
                     self._offer_expression(t)
                 if self._held_log_probs:
@@ -797,12 +810,42 @@ class Packer:
                 return cast(torch.Tensor, saved.tensor)
             saved = saved.saved
         out = self._unpack(cast(_Handle, saved))
-        if type(saved) is Saved and isinstance(saved.data, Packed) and saved.data.codec == "quantize":
+        if type(saved) is not Saved:
+            return out
+        data = saved.data
+        if isinstance(data, Packed) and data.codec == "quantize":
             node = _current_node()
-            center = SQUARE_READERS.get(type(node).__name__) if node is not None else None
+            name = type(node).__name__ if node is not None else None
+            center = SQUARE_READERS.get(name) if name is not None else None
             if center is not None:  # NOTE [ Squares of a rounded result ] in squares.py
-                return square_read(out, saved.data, center)
+                return square_read(out, data, center)
+            if name in NORM_NODES and self._norm_reads.pending:  # NOTE [ A batch norm's input read twice ]
+                self._norm_reads.read(node, saved)
+        elif isinstance(data, Derived) and (data.reads is not None or self._norm_reads.pending):
+            node = _current_node()
+            if node is not None:
+                name = type(node).__name__
+                if data.reads is not None:  # NOTE [ A derived output read back into its derivative ]
+                    self._judge_reader(data.reads, node, name)
+                if name in NORM_NODES and self._norm_reads.pending:  # NOTE [ A batch norm's input ... ]
+                    self._norm_reads.read(node, saved)
         return out
+
+    def _judge_reader(self, reads: tuple[tuple[str, int], str], node: Any, name: str) -> None:
+        """A derived output of a value-dependent op at ``reads[0]`` is read by ``node``: from the next
+        forward on, that place keeps a record of its own if the read goes back into the op's
+        derivative (NOTE [ A derived output read back into its derivative ] in derived.py)."""
+        place, op = reads
+        if place in self._own_outputs or (place, name) in self._harmless_reads:
+            return
+        if reads_back(node, op):
+            if len(self._own_outputs) >= _MOST_PLACES:
+                self._own_outputs.clear()
+            self._own_outputs.add(place)
+        else:
+            if len(self._harmless_reads) >= _MOST_PLACES:
+                self._harmless_reads.clear()
+            self._harmless_reads.add((place, name))
 
     def _unpack(self, saved: _Handle) -> torch.Tensor:
         if self._peeking:  # a node's field read in the forward: exact records only, nothing decoded lossily
@@ -1034,10 +1077,13 @@ class Packer:
         if self._derivations.walking or self._offered or self._regions.outputs:
             self._derivations.packed()
             derived = self._derive(t, bits, layer, rec) if part is None else None
-            if derived is None and (part is None or part == RELU):
-                derived = self._derive_normalized(t, bits, layer, rec, part)
-            if derived is None and part is None and self._producers:
-                derived = self._derive_expression(t, bits, layer, rec)
+            if self._declined:  # NOTE [ A derived output read back into its derivative ]
+                self._declined = False
+            else:
+                if derived is None and (part is None or part == RELU):
+                    derived = self._derive_normalized(t, bits, layer, rec, part)
+                if derived is None and part is None and self._producers:
+                    derived = self._derive_expression(t, bits, layer, rec)
             if derived is not None:
                 self._derivations.found()
                 return derived
@@ -1276,10 +1322,19 @@ class Packer:
 
     def _derive(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep) -> Saved | None:
         """``t`` kept as its op's input record raised by ``bits`` (NOTE [ Outputs recomputed ... ])."""
+        place = (layer, rec.tensors)
+        if self._own_outputs and place in self._own_outputs:
+            # NOTE [ A derived output read back into its derivative ]: t keeps a record of its own
+            # (nothing else derives it), and its op's input, still on offer, is raised at the
+            # forward's end as an input whose output no record holds
+            self._declined = True
+            return None
         offer = self._regions.outputs.take(t)
         if offer is None or self._config.codec is CodecMode.ERRORBOUND:
             return None
         source_saved, source, fn, key = offer
+        op = key[0].split("/", 1)[0]
+        reads = (place, op) if op in VALUE_DEPENDENT else None
         # NOTE [ Batch-norm outputs recomputed from the input ]: the input record may itself be
         # derived; the bits go to the record at the chain's start, re-encoded from its own tensor
         root = root_of(source_saved)
@@ -1299,7 +1354,7 @@ class Packer:
             return None
         rec.bit_values += bits * t.numel()
         self._derived_range_stats(t, rec, layer)
-        return Saved(Derived(source_saved, fn), t, layer=layer)
+        return Saved(Derived(source_saved, fn, reads=reads), t, layer=layer)
 
     # -- NOTE [ Elementwise expressions ] in expressions.py ----------------------------------
     def _producer(self, node: Any, nr: int) -> Saved | None:

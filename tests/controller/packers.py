@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from memctl.controller import packing
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer, _Queued
@@ -54,3 +56,17 @@ def record_of(handle: Any) -> Any:
     """What a pack hook's return stands for once packed: a queued tensor's record (NOTE [ Packs
     queued in the forward ]), anything else itself."""
     return handle.saved if isinstance(handle, _Queued) else handle
+
+
+def spy_records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every record the pack hook makes from now on, with the saved tensor's grad_fn name."""
+    out: list[tuple[str, Any]] = []
+    pack_new = packing.Packer._pack_new
+
+    def spy(self: packing.Packer, t: torch.Tensor, layer: str) -> Any:
+        saved = pack_new(self, t, layer)
+        out.append((type(t.grad_fn).__name__ if t.grad_fn is not None else "", saved))
+        return saved
+
+    monkeypatch.setattr(packing.Packer, "_pack_new", spy)
+    return out

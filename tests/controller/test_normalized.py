@@ -16,6 +16,7 @@ import memctl
 from memctl.controller import derived, normalized, packing
 from memctl.controller.derived import Derived, root_of, width_within
 from tests.controller.draws import bias_over_noise
+from tests.controller.packers import spy_records
 
 
 class _Block(nn.Module):
@@ -28,20 +29,6 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c2(self.act(self.bn(self.c1(x))))
-
-
-def _records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Every record the pack hook makes, with the saved tensor's grad_fn name."""
-    out: list[tuple[str, Any]] = []
-    pack_new = packing.Packer._pack_new
-
-    def spy(self: packing.Packer, t: torch.Tensor, layer: str) -> Any:
-        saved = pack_new(self, t, layer)
-        out.append((type(t.grad_fn).__name__ if t.grad_fn is not None else "", saved))
-        return saved
-
-    monkeypatch.setattr(packing.Packer, "_pack_new", spy)
-    return out
 
 
 def _run(model: nn.Module, bits: int | None, seed: int = 0) -> tuple[torch.Tensor, float]:
@@ -119,7 +106,7 @@ def test_input_saving_activation_after_batch_norm_takes_fewer_bytes(act: Callabl
 
 def test_batch_norm_output_keeps_no_payload_and_its_input_takes_the_bits(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     _run(_model(nn.Hardtanh), 2)
     by_op: dict[str, Any] = {}
     for name, saved in records:
@@ -147,7 +134,7 @@ def _relu_chain() -> tuple[nn.Module, list[torch.Tensor], torch.optim.Optimizer,
 
 
 def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     model, captured, _, ctl = _relu_chain()
     model(torch.randn(8, 3, 16, 16)).square().mean().backward()
     y = next(saved for name, saved in records if name == "ReluBackward0")
@@ -163,7 +150,7 @@ def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("train", [True, False])
 def test_cudnn_batch_norm_chain_is_derived_on_a_gpu(train: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the batch norm's node is cuDNN's: the chain forms there too, and reads back close."""
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     model = _model(nn.ReLU).cuda().train(train)
     captured: list[torch.Tensor] = []
     model.act.register_forward_hook(lambda m, a, out: captured.append(out.detach().clone()))
@@ -181,7 +168,7 @@ def test_cudnn_batch_norm_chain_is_derived_on_a_gpu(train: bool, monkeypatch: py
 
 
 def test_frozen_bias_under_relu_is_not_derived(monkeypatch: pytest.MonkeyPatch) -> None:
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     model = _model(nn.ReLU)
     model.bn.bias.requires_grad_(False)
     _run(model, 2)
@@ -202,7 +189,7 @@ def test_output_of_an_op_reading_node_fields_while_packing_is_still_derived(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """PReLU's output function reads the node's saved weight (an unpack) inside the pack hook: that
     read must not end the forward's matching (NOTE [ Finding the op that saved a tensor ])."""
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     _run(_model(nn.PReLU), 2)
     y = next(saved for name, saved in records if name == "PreluKernelBackward0")
     assert isinstance(y.data, Derived)
@@ -319,7 +306,7 @@ def test_width_within() -> None:
 def test_sixteen_bits_of_a_chain_are_kept_in_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
     """At 8 bits, z's and x's records together hold 16 bits per value: the normalised record is kept
     in half precision (never more bytes than the 8-bit records), and the gradient error falls."""
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     wide = _deep_error(8)
     root = root_of(next(saved for name, saved in records if name == "ConvolutionBackward0"))
     assert isinstance(root.data, torch.Tensor) and root.data.dtype == torch.float16
@@ -562,7 +549,7 @@ def test_a_value_dependent_activation_does_not_share_the_batch_norm_input_record
     """NOTE [ No chain into a value-dependent derivative ]: from the second forward on, such an
     activation's input is a record of its own, and the batch norm's weight gradient is unbiased;
     chained as before (the hints switched off) it is biased far beyond the draws' noise."""
-    records = _records(monkeypatch)
+    records = spy_records(monkeypatch)
     exact, rows = _batch_norm_weight_draws(act, draws=96)
     kinds = [(name, type(saved.data).__name__) for name, saved in records]
     per_step = len(kinds) // 97
