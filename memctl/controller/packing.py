@@ -385,6 +385,7 @@ class Packer:
         self._own_outputs: set[tuple[str, int]] = set()
         self._harmless_reads: set[tuple[tuple[str, int], str]] = set()
         self._declined = False
+        self._inner_reads = 0
         self._own_hints_next: set[_Slot] = set()
         self.packs = 0
         self.passed = 0
@@ -819,9 +820,10 @@ class Packer:
             center = SQUARE_READERS.get(name) if name is not None else None
             if center is not None:  # NOTE [ Squares of a rounded result ] in squares.py
                 return square_read(out, data, center)
-            if name in NORM_NODES and self._norm_reads.pending:  # NOTE [ A batch norm's input read twice ]
-                self._norm_reads.read(node, saved)
-        elif isinstance(data, Derived) and (data.reads is not None or self._norm_reads.pending):
+            if name in NORM_NODES and self._norm_reads.pending and not self._inner_reads:
+                self._norm_reads.read(node, saved)  # NOTE [ A batch norm's input read twice ]
+        elif isinstance(data, Derived) and (data.reads is not None or self._norm_reads.pending) \
+                and not self._inner_reads:  # what the running node reads, not a record's root
             node = _current_node()
             if node is not None:
                 name = type(node).__name__
@@ -830,6 +832,15 @@ class Packer:
                 if name in NORM_NODES and self._norm_reads.pending:  # NOTE [ A batch norm's input ... ]
                     self._norm_reads.read(node, saved)
         return out
+
+    def _inner_unpack(self, saved: _Handle) -> torch.Tensor:
+        """:meth:`unpack` of a record another record is rebuilt from (its root, an expression's
+        other input): read for that record, not by the running node itself."""
+        self._inner_reads += 1
+        try:
+            return self.unpack(saved)
+        finally:
+            self._inner_reads -= 1
 
     def _judge_reader(self, reads: tuple[tuple[str, int], str], node: Any, name: str) -> None:
         """A derived output of a value-dependent op at ``reads[0]`` is read by ``node``: from the next
@@ -897,7 +908,7 @@ class Packer:
         if isinstance(data, Derived) and (mapped := self._decode_mapped(saved, data, unclamped)) is not None:
             fused, out = mapped  # NOTE [ Fused channel passes ]: decode and channel map in one pass
         elif isinstance(data, Derived):  # NOTE [ Outputs recomputed from the input ]
-            source = self.unpack(data.source)
+            source = self._inner_unpack(data.source)
             masked = getattr(data.fn, "masked", None)  # NOTE [ Fused channel passes ]
             fused = _relu_code(saved) if saved.regions and masked is not None else None
             got = None
@@ -908,7 +919,7 @@ class Packer:
                 linear = data.fn.linear  # type: ignore[attr-defined]  # (_unclamped_code checked it)
                 got = linear(source).mul_(self._codec("lossless").decode(unclamped.planes[0]))
             elif got is None:
-                others = [self.unpack(o) for o in data.others]  # NOTE [ Elementwise expressions ]
+                others = [self._inner_unpack(o) for o in data.others]  # NOTE [ Elementwise expressions ]
                 fused, got = None, data.fn(source, *others)
             out = got
         else:
