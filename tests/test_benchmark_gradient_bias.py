@@ -21,3 +21,15 @@ def test_gradient_bias_benchmark_prints_the_means() -> None:
     assert 0 < mean < one
     assert one / 4 - 1e-6 <= unbiased < one / 2  # the draws' root mean square error over sqrt(16)
     assert "stem.0.weight" in out.stdout and "head.bias" in out.stdout
+
+
+def test_an_option_reaches_the_controller() -> None:
+    """``--option KEY=VALUE``: the value read as a Python literal, printed with the run."""
+    out = subprocess.run([sys.executable, str(_SCRIPT), "--draws", "1", "--warmup", "1", "--option",
+                          "log_prob_bits=None", "--option", "codec=quantize"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "options {'log_prob_bits': None, 'codec': 'quantize'}" in out.stdout
+    bad = subprocess.run([sys.executable, str(_SCRIPT), "--option", "bits"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode != 0 and "expected KEY=VALUE" in bad.stderr
