@@ -50,7 +50,7 @@ import torch
 
 from memctl.codecs.base import Packed
 from memctl.controller.derived import Derived
-from memctl.controller.squares import rounding_variance
+from memctl.controller.squares import group_variance
 
 __all__ = ["NORM_NODES", "NormReads"]
 
@@ -68,14 +68,28 @@ _MOST_PENDING = 4096
 class _Correction:
     """One watched node's factor ``w·invstd/M`` per channel and its input read's variance."""
 
-    __slots__ = ("factor", "invstd", "layer", "variance")
+    __slots__ = ("factor", "group", "invstd", "layer", "raw", "variance")
 
     def __init__(self, factor: torch.Tensor, invstd: torch.Tensor, layer: str) -> None:
         self.factor = factor
         self.invstd = invstd
         self.layer = layer
         self.variance: torch.Tensor | None = None
-        """``Var(x̂ₕ)`` per value of the last read of the node's input, None before one."""
+        """The rounding variance per group of the last read of the node's input, None before one."""
+        self.group = 0
+        """Values per group of that read."""
+        self.raw = False
+        """Whether that read's record holds the input itself (else its normalised values)."""
+
+    def added(self, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        """``w·invstd·g·Var(x̂ₕ)/M``, float32, in ``g``'s shape."""
+        factor = self.factor * self.invstd.square() if self.raw else self.factor
+        n, group = g.numel(), self.group
+        if g.is_contiguous() and n == variance.numel() * group:
+            out = g.reshape(-1, group).float() * variance[:, None]  # one pass, groups in place
+            return out.view(g.shape).mul_(factor)
+        per_value = variance.repeat_interleave(group)[:n].reshape(g.shape)
+        return per_value.mul_(factor).mul_(g)
 
 
 class NormReads:
@@ -135,11 +149,17 @@ class NormReads:
         data = saved.data
         try:
             if isinstance(data, Packed) and data.codec == "quantize":
-                correction.variance = rounding_variance(data) * correction.invstd.square()
+                record, raw = data, True
             elif isinstance(data, Derived) and getattr(data.fn, "normalised", False):
-                root = data.source.data  # NOTE [ Batch-norm outputs ... ]: the record holds x̂ₕ itself
-                if isinstance(root, Packed) and root.codec == "quantize":
-                    correction.variance = rounding_variance(root)
+                record, raw = data.source.data, False  # NOTE [ Batch-norm outputs ... ]: x̂ₕ itself
+                if not (isinstance(record, Packed) and record.codec == "quantize"):
+                    return
+            else:
+                return
+            if tuple(record.shape) != tuple(saved.shape):
+                return
+            correction.variance = group_variance(record)
+            correction.group, correction.raw = int(record.params["group_size"]), raw
         except Exception as exc:  # see NOTE [ Codec fallback ]: the gradient stays as the node makes it
             self._on_fallback(correction.layer, exc)
 
@@ -151,10 +171,7 @@ class NormReads:
             if variance is None or dx is None or g is None:
                 return None
             try:
-                if variance.shape != g.shape:
-                    variance = variance.reshape(g.shape)
-                added = (variance * correction.factor).mul_(g)
-                return (dx + added.to(dx.dtype), *grad_inputs[1:])
+                return (dx + correction.added(g, variance).to(dx.dtype), *grad_inputs[1:])
             except Exception as exc:  # see NOTE [ Codec fallback ]
                 self._on_fallback(correction.layer, exc)
                 return None

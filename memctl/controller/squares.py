@@ -41,7 +41,7 @@ import torch
 from memctl.codecs.quantize._kernels import square_read_cpu
 from memctl.controller.batches import BatchRecord
 
-__all__ = ["SQUARE_READERS", "rounding_variance", "square_read"]
+__all__ = ["SQUARE_READERS", "group_variance", "rounding_variance", "square_read"]
 
 SQUARE_READERS: dict[str, float] = {"TanhBackward0": 0.0, "SigmoidBackward0": 0.5}
 """Backward nodes reading their saved result squared, and their parabola's vertex ``c``."""
@@ -59,13 +59,18 @@ def _meta_array(data: Any) -> Any:
     return meta.numpy()
 
 
+def group_variance(data: Any) -> torch.Tensor:
+    """``Δ²/6`` per group of a quantize record (its group's step ``Δ``), float32."""
+    meta = data.buffers["meta"]
+    bits = int(data.params["bits"])
+    step = (meta[:, 1] - meta[:, 0]) / float((1 << bits) - 1)
+    return step.square_().div_(6.0)
+
+
 def rounding_variance(data: Any) -> torch.Tensor:
     """``Δ²/6`` per value of a quantize record (its group's step ``Δ``), float32, in its shape."""
-    meta = data.buffers["meta"]
-    bits, group = int(data.params["bits"]), int(data.params["group_size"])
-    step = (meta[:, 1] - meta[:, 0]) / float((1 << bits) - 1)
-    per_group = step.square_().div_(6.0)
-    return per_group.repeat_interleave(group)[:data.numel].reshape(data.shape)
+    group = int(data.params["group_size"])
+    return group_variance(data).repeat_interleave(group)[:data.numel].reshape(data.shape)
 
 
 def square_read(values: torch.Tensor, data: Any, center: float) -> torch.Tensor:

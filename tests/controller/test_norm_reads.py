@@ -107,7 +107,7 @@ def test_a_failing_correction_leaves_the_gradient_and_counts_a_fallback(
         raise RuntimeError("injected")
 
     monkeypatch.setattr(packing, "chain_of", lambda t: None)
-    monkeypatch.setattr(norm_reads, "rounding_variance", broken)
+    monkeypatch.setattr(norm_reads, "group_variance", broken)
     model = _SmallMap()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
