@@ -44,7 +44,8 @@ class _SmallMap(nn.Module):
 
 
 def _draws(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
-           read: Callable[[Any], torch.Tensor], draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+           read: Callable[[Any], torch.Tensor], draws: int,
+           **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``read(model)`` after a backward of ``(model(x) * upstream).sum()`` at fixed weights: exact,
     and one row per draw of the codec's rounding at 2 bits (the first step's left out: places are
     judged by its backward)."""
@@ -53,7 +54,7 @@ def _draws(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
     exact = read(model).clone()
     opt.zero_grad()
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0)
+                            calibration_fraction=0.0, **options)
     rows = []
     for _ in range(draws + 1):
         (model(x) * upstream).sum().backward()
@@ -88,6 +89,47 @@ def test_the_gradient_through_a_batch_norm_on_a_small_map_is_unbiased(
         same, biased = _small_map_draws(96)
         assert torch.equal(same, exact)
         assert bias_over_noise(exact, biased) > 12.0
+
+
+class _RowNorm(nn.Module):
+    """linear -> LayerNorm over 64 features -> linear; keeps the gradients at the norm's input and
+    output of its last backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 16)
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc1(x)
+        y = self.norm(z)
+        if z.requires_grad:
+            z.register_hook(lambda g: self.grads.__setitem__("z", g))
+            y.register_hook(lambda g: self.grads.__setitem__("y", g))
+        return self.fc2(y)
+
+
+def _row_norm_draws(draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _RowNorm()
+    g = torch.Generator().manual_seed(3)
+    x, upstream = torch.randn(256, 8, generator=g), torch.randn(256, 16, generator=g)
+
+    def shrinkage(m: _RowNorm) -> torch.Tensor:
+        return (m.grads["z"] * m.grads["y"] * m.norm.weight.detach()).sum(-1)
+
+    return _draws(model, x, upstream, shrinkage, draws, norm_bits=None)
+
+
+def test_the_gradient_through_a_layer_norm_at_two_bits_is_unbiased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same term over a row's features (its input at 2 bits, the norm's floor off); biased
+    beyond the draws' noise without the correction."""
+    exact, rows = _row_norm_draws(96)
+    assert bias_over_noise(exact, rows) < 3.0
+    monkeypatch.setattr(packing, "NORM_NODES", frozenset({"NativeBatchNormBackward0"}))
+    same, biased = _row_norm_draws(96)
+    assert torch.equal(same, exact)
+    assert bias_over_noise(exact, biased) > 12.0
 
 
 def test_a_batch_norm_in_eval_mode_gets_no_correction() -> None:
