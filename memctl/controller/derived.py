@@ -115,7 +115,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DERIVED_MAX_BITS", "RESHAPES", "VALUE_DEPENDENT", "DerivableOutputs", "Derived",
+__all__ = ["DERIVED_MAX_BITS", "PRODUCTS", "RESHAPES", "VALUE_DEPENDENT", "DerivableOutputs", "Derived",
            "output_function", "reads_back", "reshaped_from", "root_of", "width_within"]
 
 DERIVED_MAX_BITS = 8
@@ -390,7 +390,11 @@ _MAX_RESHAPES = 4
 def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
     """The node (and output number) whose output ``t`` is, looking through up to
     :data:`_MAX_RESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
-    node, nr = t.grad_fn, int(t.output_nr)
+    return _through_reshapes(t.grad_fn, int(t.output_nr))
+
+
+def _through_reshapes(node: Any, nr: int = 0) -> tuple[Any, int]:
+    """``node`` (output ``nr``), or the node up to :data:`_MAX_RESHAPES` reshapes above it."""
     for _ in range(_MAX_RESHAPES):
         if node is None or type(node).__name__ not in RESHAPES:
             break
@@ -398,28 +402,19 @@ def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
     return node, int(nr)
 
 
-_BILINEAR = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0",
-                       "ConvolutionBackward0",
-                       "MkldnnConvolutionBackward0", "CudnnConvolutionBackward0"})
-"""Readers linear in each operand: a saved operand is read for the other operands' gradients."""
-
-def _through_reshapes(node: Any) -> Any:
-    for _ in range(_MAX_RESHAPES):
-        if node is None or type(node).__name__ not in RESHAPES:
-            break
-        node = node.next_functions[0][0]
-    return node
+PRODUCTS = frozenset({"ConvolutionBackward0", "MkldnnConvolutionBackward0", "CudnnConvolutionBackward0",
+                      "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0"})
+"""Backward nodes linear in each operand: a saved operand is read for the other operands' gradients."""
 
 
 def reads_back(node: Any, op: str) -> bool:
     """Whether ``node``, reading an output of an ``op`` node (through reshapes), makes the gradient
     into that output depend on the value read (NOTE [ A derived output read back into its
     derivative ]): any reader but a product, and a product of the output with itself."""
-    if type(node).__name__ not in _BILINEAR:
+    if type(node).__name__ not in PRODUCTS:
         return True
-    edges = [edge for edge, _ in node.next_functions if edge is not None]
-    reached = [source for source in map(_through_reshapes, edges)
-               if source is not None and type(source).__name__ == op]
+    sources = [_through_reshapes(edge)[0] for edge, _ in node.next_functions if edge is not None]
+    reached = [source for source in sources if source is not None and type(source).__name__ == op]
     return len(reached) > 1 and len({source._sequence_nr() for source in reached}) == 1
 
 

@@ -188,7 +188,6 @@ class NormReads:
         return hook
 
 
-
 def _batch_norm(node: Any, t: torch.Tensor, layer: str) -> _Correction | None:
     """``w·invstd/M`` per channel of a batch norm in training whose result (or its activation's) is ``t``."""
     if not node._saved_training or t.shape[1] == 0:

@@ -164,6 +164,7 @@ from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import (
     DERIVED_MAX_BITS,
+    PRODUCTS,
     VALUE_DEPENDENT,
     Derived,
     reads_back,
@@ -233,9 +234,7 @@ _current_node = torch._C._current_autograd_node
 # Backward nodes whose computation is linear in every saved tensor they read (NOTE [ Unbiased
 # reads of a ReLU result ]): convolutions, matrix products, element-wise products; and max
 # pooling, whose backward reads only its input's shape (it scatters by its saved indices).
-_VALUE_READERS = frozenset({"ConvolutionBackward0", "MkldnnConvolutionBackward0", "CudnnConvolutionBackward0",
-                            "MmBackward0", "AddmmBackward0", "BmmBackward0", "MulBackward0",
-                            "MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0"})
+_VALUE_READERS = PRODUCTS | {"MaxPool2DWithIndicesBackward0", "MaxPool3DWithIndicesBackward0"}
 
 
 _MOST_PLACES = 4096
