@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memctl.codecs.quantize import settle_checks
 from memctl.controller import memory, oom, policy
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.calibration import Calibration
@@ -233,6 +234,7 @@ class Controller:
         self._handles.clear()
         self._tracker.reset()
         self._packer.fsdp.detach()
+        settle_checks()  # NOTE [ Exception lists without a wait ]: no input is held past the detach
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None

@@ -159,6 +159,7 @@ from torch._utils import _flatten_dense_tensors
 from memctl.codecs import channels
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
+from memctl.codecs.quantize import poll_checks, settle_checks
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
@@ -511,6 +512,7 @@ class Packer:
             self.settle()
         if self._batches:
             self._encode_batches()
+        poll_checks()
         self._fold_ranges()
         self._shared.clear()
         self._decoded = ()
@@ -665,6 +667,7 @@ class Packer:
             self._flush_log_probs()
         for saved, source in self._regions.outputs.leftover():
             self._raise_unread(saved, source)
+        settle_checks()  # NOTE [ Exception lists without a wait ]: no input is held into the backward
         self._regions.clear()
         self._floors.clear()
         self._norms.clear()
@@ -805,6 +808,7 @@ class Packer:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         if self._queue:
             self.settle()  # NOTE [ Packs queued in the forward ]
+        poll_checks()  # NOTE [ Exception lists without a wait ]: inputs saved after the forward (the loss's)
         if type(saved) is _Queued:
             if saved.saved is None:  # read while the queue is packed, before its turn: exact
                 return cast(torch.Tensor, saved.tensor)

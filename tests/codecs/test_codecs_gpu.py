@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,46 @@ def test_quantize_cuda_encode_with_positive_matches_reference(bits: int, group: 
     assert mask.device.type == "cuda" and record.device.type == "cuda"
     assert record.to_bytes() == codec.encode(x, bits=bits, seed=5, impl="reference").to_bytes()
     assert mask.to_bytes() == LosslessCodec().encode(x > 0, impl="reference").to_bytes()
+
+
+def test_quantize_cuda_encode_waits_for_nothing_and_lists_exceptions_later() -> None:
+    """NOTE [ Exception lists without a wait ]: no encode of finite values synchronises with the
+    GPU; then more records than are held for their check are encoded, and every record, with
+    non-finite values or without, decodes as the reference's (listing exceptions does wait)."""
+    from memctl.codecs.quantize import _pending
+
+    codec = QuantizeCodec()
+    xs = [_data(100_000 + i, i) for i in range(3 * _pending.MOST_WAITING)]
+    clean = set(range(0, _pending.MOST_WAITING, 2))  # as many encodes as are held: none waits for room
+    for i in clean:
+        xs[i] = xs[i].nan_to_num(0.0, 0.0, 0.0)
+    codec.encode(xs[0].cuda(), bits=2, seed=1)  # compiled before the check
+    codec.encode_with_positive(torch.relu(xs[0]).cuda(), bits=2, seed=1)
+    _pending.settle()
+    inputs = [x.cuda() for x in xs]
+    torch.cuda.synchronize()
+    records: dict[int, Any] = {}
+    positives: dict[int, Any] = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in sorted(clean):
+            records[i] = codec.encode(inputs[i], bits=2, seed=i)
+            positives[i] = codec.encode_with_positive(torch.relu(inputs[i]), bits=2, seed=i)[0]
+        assert _pending.waiting() <= _pending.MOST_WAITING
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for i in range(len(xs)):
+        if i not in clean:
+            records[i] = codec.encode(inputs[i], bits=2, seed=i)
+            positives[i] = codec.encode_with_positive(torch.relu(inputs[i]), bits=2, seed=i)[0]
+    for i, x in enumerate(xs):
+        assert records[i].to_bytes() == codec.encode(x, bits=2, seed=i, impl="reference").to_bytes()
+        relu = torch.relu(x)
+        assert positives[i].to_bytes() == codec.encode(relu, bits=2, seed=i, impl="reference").to_bytes()
+        got = codec.decode(records[i]).cpu()
+        assert torch.equal(got.isnan(), x.isnan()) and torch.equal(got.isinf(), x.isinf())
+    _pending.settle()
+    assert _pending.waiting() == 0
 
 
 def test_quantize_cuda_small_tensor_launch_warns_nothing() -> None:

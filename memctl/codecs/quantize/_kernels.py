@@ -289,9 +289,11 @@ def _grid(ngroups: int) -> int:
 
 def encode_cuda(
     x: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """Encode a contiguous 1-D float32 tensor with the CUDA kernel: ``(payload, meta, flag)``, the
-    flag non-zero when some value is non-finite (the number of threads that saw one).
+    flag non-zero when some value is non-finite (the number of threads that saw one). On a GPU
+    the flag is the one-value int32 tensor the kernel writes, not read here (NOTE [ Exception
+    lists without a wait ] in ``_pending``); in the simulator it is an int.
 
     On a real GPU ``x`` is a CUDA tensor and the outputs stay on its device; in the simulator
     (NOTE [ CUDA simulator ]) a CPU tensor is accepted and the outputs are CPU tensors.
@@ -320,7 +322,9 @@ def encode_cuda(
             from memctl.codecs.lossless import _reference as _lossless_reference
 
             positive.copy_(_lossless_reference.pack(x > 0))
-    return payload, meta, int(bad.item())  # NOTE [ Exception list ]: one sync
+    if bad.is_cuda:  # read later, without waiting (NOTE [ Exception lists without a wait ] in _pending)
+        return payload, meta, bad
+    return payload, meta, int(bad.item())
 
 
 def decode_cuda(

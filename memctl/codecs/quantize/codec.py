@@ -43,7 +43,8 @@ Non-finite inputs are rare in activations but must survive (a NaN that decodes f
 hides a divergence). They are excluded from min/max, coded 0, and listed with torch ops
 (``isfinite``, ``nonzero``) in every implementation, so the lists are identical. The kernels
 report whether any group held one, so the lists are only built when needed; on a GPU that
-report is one small device-to-host read per encoded tensor.
+report is read once it has arrived, without waiting for it (NOTE [ Exception lists without
+a wait ] in ``_pending.py``).
 
 The three codecs' formats side by side: docs/formats.md, "quantize".
 
@@ -73,6 +74,7 @@ the same bits as after it, because ``floor`` is exact in both and rounding is mo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +84,7 @@ from memctl.codecs import _backend, _rng
 from memctl.codecs.base import FLOAT_DTYPES, Impl, Packed, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import _kernels as _quantize_kernels
-from memctl.codecs.quantize import _reference
+from memctl.codecs.quantize import _pending, _reference
 from memctl.errors import CodecError, ConfigError
 
 __all__ = ["BITS", "MAX_GROUP_SIZE", "QuantizeCodec", "QuantizeConfig", "packed_nbytes"]
@@ -163,6 +165,11 @@ def _exceptions(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, flat[index]
 
 
+def _source_exceptions(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and values (as float32) of the non-finite entries of a tensor of any shape."""
+    return _exceptions(_flat_float32(t))
+
+
 class QuantizeCodec:
     """Per-group stochastic quantization (ActNN, Chen et al., ICML 2021); format in the module docstring.
 
@@ -205,18 +212,29 @@ class QuantizeCodec:
         chosen = _backend.resolve_impl(impl, t.device)
         flat = _flat_float32(t)
         payload, meta, nonfinite = self._run_encode(chosen, flat, b, g, s)
-        if nonfinite:
-            exc_index, exc_value = _exceptions(flat)
-        else:
-            exc_index, exc_value = self._no_exceptions(payload.device)
         return Packed(
             codec=_NAME,
             shape=tuple(t.shape),
             dtype=t.dtype,
             device=t.device,
-            buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
+            buffers=self._buffers(t, flat, payload, meta, nonfinite),
             params={"bits": b, "group_size": g, "seed": s},
         )
+
+    def _buffers(self, t: torch.Tensor, flat: torch.Tensor, payload: torch.Tensor, meta: torch.Tensor,
+                 nonfinite: int | torch.Tensor) -> Mapping[str, torch.Tensor]:
+        """A record's buffers: the exception list built now (``nonfinite`` an int, non-zero when
+        there are exceptions), or once the GPU's flag arrives (``nonfinite`` the flag on the
+        device: NOTE [ Exception lists without a wait ] in ``_pending``)."""
+        if isinstance(nonfinite, torch.Tensor):
+            empty_index, empty_value = self._no_exceptions(payload.device)
+            buffers = {"payload": payload, "meta": meta, "exc_index": empty_index, "exc_value": empty_value}
+            return _pending.pend(buffers, _source_exceptions, t, nonfinite)
+        if nonfinite:
+            exc_index, exc_value = _exceptions(flat)
+        else:
+            exc_index, exc_value = self._no_exceptions(payload.device)
+        return {"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value}
 
     def encode_with_positive(
         self, t: torch.Tensor, *, bits: int | None = None, seed: int = 0, impl: Impl | str | None = None
@@ -235,21 +253,18 @@ class QuantizeCodec:
         g = self.config.group_size
         flat = _flat_float32(t)
         positive = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8, device=flat.device)
+        nonfinite: int | torch.Tensor
         if chosen is Impl.CPU:
             payload, meta, nonfinite = _quantize_kernels.encode_cpu(flat, b, g, s, positive)
         else:
             payload, meta, nonfinite = self._encode_cuda_with_positive(flat, b, g, s, positive)
-        if nonfinite:
-            exc_index, exc_value = _exceptions(flat)
-        else:
-            exc_index, exc_value = self._no_exceptions(payload.device)
         shape = tuple(t.shape)
         record = Packed(
             codec=_NAME,
             shape=shape,
             dtype=t.dtype,
             device=t.device,
-            buffers={"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value},
+            buffers=self._buffers(t, flat, payload, meta, nonfinite),
             params={"bits": b, "group_size": g, "seed": s},
         )
         return record, bits_record(positive, shape, t.device)
@@ -300,11 +315,11 @@ class QuantizeCodec:
 
     def _encode_cuda_with_positive(
         self, flat: torch.Tensor, bits: int, group: int, seed: int, positive: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
         """The CUDA encode that also fills ``positive`` (NOTE [ Positive mask in encode ]); after a
         compile failure, the reference and the lossless reference's packing (NOTE [ CUDA fallback ])."""
 
-        def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
+        def reference() -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
             from memctl.codecs.lossless import _reference as _lossless_reference
 
             payload, meta = _reference.encode(flat, bits, group, seed)
@@ -328,11 +343,11 @@ class QuantizeCodec:
 
     def _run_encode(
         self, chosen: Impl, flat: torch.Tensor, bits: int, group: int, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
         if chosen is Impl.CPU:
             return _quantize_kernels.encode_cpu(flat, bits, group, seed)
 
-        def reference() -> tuple[torch.Tensor, torch.Tensor, int]:
+        def reference() -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
             payload, meta = _reference.encode(flat, bits, group, seed)
             return payload, meta, 0 if bool(torch.isfinite(flat).all()) else 1
 

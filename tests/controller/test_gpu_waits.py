@@ -1,0 +1,64 @@
+"""Real-GPU tier: a training forward with memctl attached does not wait for the GPU, and holds
+no input for its exception check into the backward (NOTE [ Exception lists without a wait ]).
+
+Skipped, with the reason, without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import memctl
+from memctl.codecs.quantize import _pending
+
+pytestmark = pytest.mark.gpu
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * 32 * 32, 10),
+    ).cuda()
+
+
+def test_the_forward_waits_for_the_gpu_only_to_settle_its_checks() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    x = torch.randn(64, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (64,), device="cuda")
+    for _ in range(3):  # compiled, calibrated and every place judged
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    sites: list[str] = []
+
+    def seen(message: object, *args: object, **kwargs: object) -> None:
+        if "synchroniz" in str(message):
+            stack = traceback.extract_stack()
+            if not any(f.filename.endswith("_pending.py") for f in stack):
+                inner = [f for f in stack if "/memctl/" in f.filename]
+                sites.append(f"{inner[-1].filename}:{inner[-1].lineno}" if inner else str(stack[-3]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen  # type: ignore[assignment]
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = model(x)
+            waiting = _pending.waiting()
+            loss = nn.functional.cross_entropy(out, y)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert sites == []
+    assert waiting == 0  # settled at the forward's end
+    loss.backward()
+    ctl.detach()
