@@ -30,8 +30,9 @@ The correction is exact on average over a step's positions, not value by value, 
 squares' one. A record kept exact, in half precision or by the error-bound codec, gets
 none. The weight's gradient ``Σ g·x̂ₕ`` is linear in the read and needs none. A batch
 norm in eval mode reads no statistics of its own (``dx = w·invstd·g``), so it gets no
-hook. cuDNN's node (``CudnnBatchNormBackward0``) is not corrected: its fields have not
-been checked on a GPU here.
+hook. cuDNN's node (``CudnnBatchNormBackward0``) has the native node's fields, its
+``_saved_result2`` the inverse standard deviation as well (seen on an H200 under torch 2.11),
+and gets the same hook (MIOpen's too, unchecked).
 
 LayerNorm's backward has the same term over a row's ``D`` features, with its weight applied
 to ``g`` first: ``dx = rstd·(g' − mean(g') − x̂ₕ·mean(g'·x̂ₕ))``, ``g' = w·g``; its node gets
@@ -63,8 +64,10 @@ from memctl.controller.squares import group_variance
 
 __all__ = ["NORM_NODES", "NormReads"]
 
-_BATCH_NORM = "NativeBatchNormBackward0"
-NORM_NODES = frozenset({_BATCH_NORM, "NativeLayerNormBackward0"})
+_BATCH_NORMS = frozenset({"NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0"})
+"""A batch norm's node on a CPU, with cuDNN and with MIOpen: the same fields (``_saved_result2`` is
+the inverse standard deviation in all three)."""
+NORM_NODES = _BATCH_NORMS | {"NativeLayerNormBackward0"}
 """Backward nodes whose input gradient reads their saved input twice (NOTE [ A batch norm's ... ])."""
 
 _ABOVE = frozenset({"ReluBackward0", "HardswishBackward0", "SiluBackward0", "GeluBackward0", "EluBackward0",
@@ -131,15 +134,15 @@ class NormReads:
             if name not in _ABOVE:
                 return
             node = node.next_functions[0][0]
-            if node is None or type(node).__name__ != _BATCH_NORM:
+            if node is None or type(node).__name__ not in _BATCH_NORMS:
                 return
-            name = _BATCH_NORM
+            name = type(node).__name__
         seq = node._sequence_nr()
         if seq in self.pending or t.dim() < 2 or t.numel() == 0:
             return
         try:
             with self._peek():
-                correction = (_batch_norm if name == _BATCH_NORM else _layer_norm)(node, t, layer)
+                correction = (_batch_norm if name in _BATCH_NORMS else _layer_norm)(node, t, layer)
         except (AttributeError, RuntimeError, TypeError, ValueError):  # a field stored lossily, or missing
             return
         if correction is None:

@@ -65,13 +65,14 @@ def _draws(model: nn.Module, x: torch.Tensor, upstream: torch.Tensor,
     return exact, torch.stack(rows[1:])
 
 
-def _small_map_draws(draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _small_map_draws(draws: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = _SmallMap()
+    model = _SmallMap().to(device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 8, 2, 2, generator=g)  # the model's input: kept by reference, exact
-    upstream = torch.randn(16, 16, 2, 2, generator=g)
-    return _draws(model, x, upstream, lambda m: m.shrinkage(), draws)
+    x = torch.randn(16, 8, 2, 2, generator=g).to(device)  # the model's input: kept by reference, exact
+    upstream = torch.randn(16, 16, 2, 2, generator=g).to(device)
+    exact, rows = _draws(model, x, upstream, lambda m: m.shrinkage(), draws)
+    return exact.cpu(), rows.cpu()
 
 
 @pytest.mark.parametrize("chain", [True, False], ids=["normalised-record", "own-record"])
@@ -89,6 +90,23 @@ def test_the_gradient_through_a_batch_norm_on_a_small_map_is_unbiased(
         same, biased = _small_map_draws(96)
         assert torch.equal(same, exact)
         assert bias_over_noise(exact, biased) > 12.0
+
+
+@pytest.mark.gpu
+def test_the_gradient_through_a_cudnn_batch_norm_is_unbiased(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the batch norm's node is cuDNN's: it gets the same correction (2-bit own record)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.setattr(packing, "chain_of", lambda t: None)
+    model = _SmallMap().cuda()
+    names = {type(model.bn(torch.randn(4, 64, 2, 2, device="cuda")).grad_fn).__name__}
+    assert names <= norm_reads.NORM_NODES, names
+    exact, rows = _small_map_draws(96, "cuda")
+    assert bias_over_noise(exact, rows) < 3.0
+    monkeypatch.setattr(packing, "NORM_NODES", frozenset())
+    same, biased = _small_map_draws(96, "cuda")
+    assert torch.allclose(same, exact, rtol=1e-4, atol=1e-6)
+    assert bias_over_noise(exact, biased) > 12.0
 
 
 class _RowNorm(nn.Module):
