@@ -38,8 +38,11 @@ __all__ = ["LosslessCodec", "LosslessConfig", "bits_record"]
 # can outweigh the 2-bit activations around them. An integer tensor whose span
 # max − min fits a narrower unsigned width is stored as (x − min − 2^(w−1)) in the signed
 # type of w bits, with min kept in an int64 buffer, so decoding is exact. Finding the span
-# is one reduction (on a GPU, one scalar read back). The narrowing is PyTorch code shared
-# by every implementation, so their records stay byte-identical.
+# is one reduction. The narrowing is PyTorch code shared by every implementation, so their
+# records stay byte-identical. A CUDA tensor is not narrowed: choosing the width reads the
+# span back, which waits for every op queued on the GPU before it (the cross-entropy target,
+# saved last in a forward, waited for the whole forward); token ids and targets, one value a
+# position, weigh little beside the activations, and pooling indices take window codes.
 _NARROW: dict[torch.dtype, tuple[tuple[int, torch.dtype], ...]] = {
     torch.int16: ((8, torch.int8),),
     torch.int32: ((8, torch.int8), (16, torch.int16)),
@@ -166,7 +169,7 @@ def bits_record(payload: torch.Tensor, shape: tuple[int, ...], device: torch.dev
 def _narrow(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(payload, offset, bits)`` of NOTE [ Integer narrowing ], or None when nothing is saved."""
     widths = _NARROW.get(flat.dtype)
-    if widths is None or flat.numel() < _MIN_NARROW_NUMEL:
+    if widths is None or flat.numel() < _MIN_NARROW_NUMEL or flat.is_cuda:
         return None
     lo, hi = torch.aminmax(flat)
     span = int(hi.to(torch.int64)) - int(lo.to(torch.int64))
