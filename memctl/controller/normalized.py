@@ -305,8 +305,12 @@ def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | 
         return None
     mean = mean.detach().float().reshape(-1)
     invstd = invstd.detach().float().reshape(-1)
-    if not bool(((invstd > 0) & torch.isfinite(invstd)).all()):  # one read-back, not two
-        return None
+    usable = (invstd > 0) & torch.isfinite(invstd)
+    if invstd.is_cpu:
+        if not bool(usable.all()):  # one read-back, not two
+            return None
+    else:  # no read-back that waits for the GPU: an unusable channel decodes to NaN, never to wrong values
+        invstd = torch.where(usable, invstd, torch.nan)
     weight = node._saved_weight
     gamma = torch.ones_like(mean) if weight is None else weight.detach().float().reshape(-1)
     bias = _bias(node)
