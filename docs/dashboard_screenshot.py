@@ -34,7 +34,8 @@ def main() -> None:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1480",
                 "--hide-scrollbars", "--force-device-scale-factor=1"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "chromedriver"), options=options)
+    service = Service(shutil.which("chromedriver") or "chromedriver")
+    driver = webdriver.Chrome(service=service, options=options)
     try:
         driver.get(url + "/dashboard")
         for step in range(args.steps):
