@@ -60,7 +60,7 @@ import torch
 
 from memctl.codecs.base import Packed
 from memctl.controller.derived import Derived
-from memctl.controller.squares import group_variance
+from memctl.controller.squares import first_offset, group_variance
 
 __all__ = ["NORM_NODES", "NormReads"]
 
@@ -82,7 +82,7 @@ class _Correction:
     """One watched node's factor (``w·invstd/M`` per channel of a batch norm, ``rstd/D`` per row
     of a layer norm, with its weight per feature apart) and its input read's variance."""
 
-    __slots__ = ("factor", "group", "layer", "raw", "unit", "variance", "weight")
+    __slots__ = ("factor", "group", "layer", "offset", "raw", "unit", "variance", "weight")
 
     def __init__(self, factor: torch.Tensor, unit: torch.Tensor, weight: torch.Tensor | None,
                  layer: str) -> None:
@@ -97,18 +97,20 @@ class _Correction:
         """The rounding variance per group of the last read of the node's input, None before one."""
         self.group = 0
         """Values per group of that read."""
+        self.offset = 0
+        """Where that read's record starts in its first group (a batch's record: not at 0)."""
         self.raw = False
         """Whether that read's record holds the input itself (else its normalised values)."""
 
     def added(self, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
         """``w·invstd·g·Var(x̂ₕ)/M`` (a layer norm's ``rstd·w·g·Var(x̂ₕ)/D``), float32, in ``g``'s shape."""
         factor = self.factor * self.unit if self.raw else self.factor
-        n, group = g.numel(), self.group
-        if g.is_contiguous() and n == variance.numel() * group:
+        n, group, offset = g.numel(), self.group, self.offset
+        if g.is_contiguous() and offset == 0 and n == variance.numel() * group:
             out = g.reshape(-1, group).float() * variance[:, None]  # one pass, groups in place
             out = out.view(g.shape).mul_(factor)
         else:
-            out = variance.repeat_interleave(group)[:n].reshape(g.shape).mul_(factor).mul_(g)
+            out = variance.repeat_interleave(group)[offset:offset + n].reshape(g.shape).mul_(factor).mul_(g)
         return out if self.weight is None else out.mul_(self.weight)
 
 
@@ -172,6 +174,7 @@ class NormReads:
                 return
             correction.variance = group_variance(record)
             correction.group, correction.raw = int(record.params["group_size"]), raw
+            correction.offset = first_offset(record)
         except Exception as exc:  # see NOTE [ Codec fallback ]: the gradient stays as the node makes it
             self._on_fallback(correction.layer, exc)
 

@@ -41,7 +41,7 @@ import torch
 from memctl.codecs.quantize._kernels import square_read_cpu
 from memctl.controller.batches import BatchRecord
 
-__all__ = ["SQUARE_READERS", "group_variance", "rounding_variance", "square_read"]
+__all__ = ["SQUARE_READERS", "first_offset", "group_variance", "rounding_variance", "square_read"]
 
 SQUARE_READERS: dict[str, float] = {"TanhBackward0": 0.0, "SigmoidBackward0": 0.5}
 """Backward nodes reading their saved result squared, and their parabola's vertex ``c``."""
@@ -59,6 +59,12 @@ def _meta_array(data: Any) -> Any:
     return meta.numpy()
 
 
+def first_offset(data: Any) -> int:
+    """Where a quantize record's first value sits in its first group: 0, but for a batch's
+    record, which starts where the one before it ended (NOTE [ Batched small records ])."""
+    return data.start % data.batch.group if type(data) is BatchRecord else 0
+
+
 def group_variance(data: Any) -> torch.Tensor:
     """``Δ²/6`` per group of a quantize record (its group's step ``Δ``), float32."""
     meta = data.buffers["meta"]
@@ -70,7 +76,8 @@ def group_variance(data: Any) -> torch.Tensor:
 def rounding_variance(data: Any) -> torch.Tensor:
     """``Δ²/6`` per value of a quantize record (its group's step ``Δ``), float32, in its shape."""
     group = int(data.params["group_size"])
-    return group_variance(data).repeat_interleave(group)[:data.numel].reshape(data.shape)
+    offset = first_offset(data)
+    return group_variance(data).repeat_interleave(group)[offset:offset + data.numel].reshape(data.shape)
 
 
 def square_read(values: torch.Tensor, data: Any, center: float) -> torch.Tensor:
@@ -82,7 +89,8 @@ def square_read(values: torch.Tensor, data: Any, center: float) -> torch.Tensor:
         meta = _meta_array(data)
         if meta is not None:
             params = data.params
-            return square_read_cpu(values, meta, int(params["bits"]), int(params["group_size"]), center)
+            return square_read_cpu(values, meta, int(params["bits"]), int(params["group_size"]), center,
+                                   first_offset(data))
     d = values.float() - center
     r = d.square().sub_(rounding_variance(data)).clamp_min_(0.0).sqrt_().copysign_(d)
     return r.add_(center).to(values.dtype)

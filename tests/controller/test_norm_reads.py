@@ -258,3 +258,14 @@ def test_a_squeeze_excitation_input_stays_derived(monkeypatch: pytest.MonkeyPatc
     _draws(model, x, upstream, lambda m: m.fc.weight.grad, draws=2)
     kinds = [type(saved.data).__name__ for name, saved in records if name == "HardswishBackward0"]
     assert kinds and all(kind == "Derived" for kind in kinds)
+
+
+def test_the_correction_of_a_record_starting_inside_a_group_takes_its_groups_variance() -> None:
+    """A batch's record starts inside a group (NOTE [ Batched small records ]): its values take
+    the variance of the groups they sit in, not of groups counted from its first value."""
+    correction = norm_reads._Correction(torch.ones(1), torch.ones(1), None, "layer")
+    correction.group, correction.offset = 4, 3
+    variance = torch.tensor([1.0, 10.0, 100.0])
+    g = torch.ones(2, 3)
+    got = correction.added(g, variance)
+    assert torch.equal(got.reshape(-1), torch.tensor([1.0, 10.0, 10.0, 10.0, 10.0, 100.0]))

@@ -133,3 +133,33 @@ def test_the_cpu_kernel_is_the_pytorch_formula(bits: int, center: float) -> None
     assert torch.allclose(square_read(got, p, center), want, rtol=0, atol=1e-6)
     half = square_read(got.half(), p, center)
     assert half.dtype == torch.float16 and torch.allclose(half.float(), want, atol=2e-3)
+
+
+@pytest.mark.parametrize("center", [0.0, 0.5])
+def test_a_batch_record_starting_inside_a_group_reads_its_own_groups(center: float) -> None:
+    """A batch's record starts where the one before it ended, inside a group: its values take
+    the ranges of the batch's groups they sit in (the whole batch's correction, sliced)."""
+    from memctl.controller.batches import Batch
+
+    group, bits = 64, 2
+    codec = QuantizeCodec(group_size=group)
+    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0))
+    batch = Batch(bits, torch.float32, group, 5, empty, capacity=1024)
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.sigmoid(torch.randn(n, generator=gen) * scale) - 0.5 + center
+               for n, scale in ((100, 0.2), (150, 4.0), (90, 1.0))]  # very different ranges per group
+    members = [batch.add(t, None, "layer") for t in tensors]
+    whole = torch.cat(tensors)
+    used = batch.groups
+    codec.encode_into(whole, batch.payload[:used * group * bits // 8], batch.meta[:used], bits=bits, seed=5)
+    record = batch.whole()
+    decoded = codec.decode(record)
+    want_var = rounding_variance(record)
+    want = square_read(decoded, record, center)
+    for m in members:
+        assert m.start % group or m is members[0]
+        piece = decoded[m.start:m.start + m.numel]
+        assert torch.equal(rounding_variance(m), want_var[m.start:m.start + m.numel])
+        assert torch.equal(square_read(piece.clone(), m, center), want[m.start:m.start + m.numel])
+        half = square_read(piece.half(), m, center).float()  # the PyTorch path
+        assert torch.allclose(half, want[m.start:m.start + m.numel], atol=2e-3)

@@ -366,18 +366,20 @@ def decode_affine_serial(
 
 
 @cached_jit(fastmath=False)
-def square_read_serial(values: Any, meta: Any, group: Any, bits: Any, center: Any, out: Any) -> None:
-    """``out``: ``values`` (a record's decode, group ``i // group`` with ``meta[i // group]``)
-    moved towards ``center`` so their squared distance from it falls by ``step**2 / 6``
-    (clamped at 0), on their side of it (NOTE [ Squares of a rounded result ] in
-    memctl/controller/squares.py)."""
+def square_read_serial(values: Any, meta: Any, group: Any, bits: Any, center: Any, offset: Any,
+                       out: Any) -> None:
+    """``out``: ``values`` (a record's decode, value ``i`` in group ``(offset + i) // group`` with
+    that group's row of ``meta``; ``offset`` is where the record starts in its first group, 0
+    but for a batch's record) moved towards ``center`` so their squared distance from it falls
+    by ``step**2 / 6`` (clamped at 0), on their side of it (NOTE [ Squares of a rounded result ]
+    in memctl/controller/squares.py)."""
     big = np.float32((1 << bits) - 1)
     sixth = np.float32(1.0 / 6.0)
     n = values.size
     for g in range(meta.shape[0]):
         step = (meta[g, 1] - meta[g, 0]) / big
         var = step * step * sixth
-        for i in range(g * group, min(n, (g + 1) * group)):
+        for i in range(max(0, g * group - offset), min(n, (g + 1) * group - offset)):
             d = values[i] - center
             r2 = d * d - var
             r = np.float32(np.sqrt(r2)) if r2 > 0 else np.float32(0.0)

@@ -125,7 +125,7 @@ def cpu_kernels() -> ModuleType:
     enc = [(f32, i64, i64, i64, meta, u8, nt.int64[::1], u8, nt.boolean)]
     dec = [(u8, meta, i64, i64, f32, u8, nt.boolean, nt.float32)]
     aff = [(u8, meta, i64, i64, f32, f32, f32, f32, i64, u8, nt.boolean, nt.float32)]
-    sq = [(f32, meta, i64, i64, nt.float32, f32)]
+    sq = [(f32, meta, i64, i64, nt.float32, i64, f32)]
     _numba.prepare(
         "quantize",
         [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec),
@@ -222,15 +222,16 @@ def decode_affine_cpu(
 
 
 def square_read_cpu(values: torch.Tensor, meta: Any, bits: int, group: int,
-                    center: float) -> torch.Tensor:
+                    center: float, offset: int = 0) -> torch.Tensor:
     """NOTE [ Squares of a rounded result ] in memctl/controller/squares.py, in one pass over
     ``values`` (a contiguous float32 CPU tensor, the decode of a record whose group ranges are
-    the float32 array ``meta``). NumPy around the kernel: a recurrent net reads hundreds of
-    small records a step this way, and each PyTorch call costs a microsecond or two."""
+    the float32 array ``meta``, starting ``offset`` values into its first group). NumPy around
+    the kernel: a recurrent net reads hundreds of small records a step this way, and each
+    PyTorch call costs a microsecond or two."""
     vals = values.numpy()
     out = np.empty_like(vals)
     if vals.size:
-        cpu_kernels().square_read_serial(vals.reshape(-1), meta, group, bits, np.float32(center),
+        cpu_kernels().square_read_serial(vals.reshape(-1), meta, group, bits, np.float32(center), offset,
                                          out.reshape(-1))
     return torch.from_numpy(out)
 
