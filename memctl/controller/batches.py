@@ -148,7 +148,7 @@ class Batch:
     """Records of one bits and dtype whose bytes are written by one encode."""
 
     __slots__ = ("bits", "capacity", "dtype", "empty", "group", "members", "meta", "packed_at", "params",
-                 "payload", "sizes", "values")
+                 "payload", "sizes", "squares", "values")
 
     def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int,
                  empty: tuple[torch.Tensor, torch.Tensor], capacity: int = BATCH_VALUES) -> None:
@@ -172,6 +172,10 @@ class Batch:
         """Every record's values, in order (the batch decoded whole is split by them)."""
         self.packed_at = 0
         """The packer's pack count when its first record joined (for a deferred record)."""
+        self.squares: dict[int, float] = {}
+        """Its records that a tanh or sigmoid saved, by index, with their parabola's vertex: their
+        own backward reads them squared (NOTE [ Squares of a rounded result ] in squares.py),
+        for all of them at once."""
 
     def fits(self, numel: int) -> bool:
         return self.values + numel <= self.capacity

@@ -144,6 +144,7 @@ These rules in the context of a whole step: docs/design.md, "Pack: what is compr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -160,6 +161,7 @@ from memctl.codecs import channels
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import poll_checks, settle_checks
+from memctl.codecs.quantize._kernels import square_read_segments_cpu
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
@@ -427,9 +429,12 @@ class Packer:
         self._queued_values = 0
         self._settling = False
         self._no_exceptions: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._decoded: tuple[tuple[Batch, tuple[torch.Tensor, ...]], ...] = ()
+        self._decoded: tuple[tuple[Batch, tuple[torch.Tensor, ...], torch.Tensor], ...] = ()
         """The two batches decoded last, whole, with their values, newest first (NOTE [ Batched
         small records ])."""
+        self._squared: tuple[tuple[Batch, dict[int, torch.Tensor]], ...] = ()
+        """The two batches whose squared records were corrected last, those records' values by
+        index, newest first (NOTE [ Squares of a rounded result ] in squares.py)."""
 
     # -- step lifecycle -------------------------------------------------------------
     def set_parameters(self, model: torch.nn.Module) -> None:
@@ -468,7 +473,7 @@ class Packer:
         if self._batches:
             self._encode_batches()
         self._shared.clear()
-        self._decoded = ()
+        self._decoded = self._squared = ()
         self._forget_producers()
         if self._held_log_probs:
             self._flush_log_probs()
@@ -515,7 +520,7 @@ class Packer:
         poll_checks()
         self._fold_ranges()
         self._shared.clear()
-        self._decoded = ()
+        self._decoded = self._squared = ()
         peak = peak_basis([*self._done, self._micro])
         self._done = []
         self._micro = MicroBatch()
@@ -822,6 +827,10 @@ class Packer:
             name = type(node).__name__ if node is not None else None
             center = SQUARE_READERS.get(name) if name is not None else None
             if center is not None:  # NOTE [ Squares of a rounded result ] in squares.py
+                if type(data) is BatchRecord and data.index in data.batch.squares:
+                    squared = self._squared_piece(data)
+                    if squared is not None:
+                        return squared
                 return square_read(out, data, center)
             if name in NORM_NODES and self._norm_reads.pending and not self._inner_reads:
                 self._norm_reads.read(node, saved)  # NOTE [ A batch norm's input read twice ]
@@ -987,9 +996,30 @@ class Packer:
             pieces = values.split(batch.sizes)
             if timed:
                 self.timings.observe_decode(time.perf_counter() - start)
-            self._decoded = ((batch, pieces), *held[:1])
+            self._decoded = ((batch, pieces, values), *held[:1])
         out = pieces[data.index].view(*data.shape)  # (ints parse faster than a tuple; never 0-d)
         return out if out.dtype is data.dtype else out.to(data.dtype)
+
+    def _squared_piece(self, data: BatchRecord) -> torch.Tensor | None:
+        """``data``'s values read squared (:func:`~memctl.controller.squares.square_read`), from its
+        batch's squared records corrected together by one kernel call when the first of them is
+        read; None where that does not apply (then ``data`` alone is corrected)."""
+        batch = data.batch
+        for held, pieces in self._squared:
+            if held is batch:
+                piece = pieces.get(data.index)
+                return None if piece is None else piece.view(*data.shape)
+        values = next((v for held, _, v in self._decoded if held is batch), None)
+        if values is None or values.dtype is not torch.float32 or not values.is_cpu \
+                or not values.is_contiguous():
+            return None  # (not decoded through its batch: a record with exceptions, say)
+        starts = list(itertools.accumulate(batch.sizes, initial=0))
+        segments = [(starts[i], starts[i] + batch.sizes[i], center) for i, center in batch.squares.items()]
+        out = square_read_segments_cpu(values, batch.meta.numpy()[:batch.groups], batch.bits, batch.group,
+                                       segments)
+        pieces = {i: out[s:e] for (s, e, _), i in zip(segments, batch.squares, strict=True)}
+        self._squared = ((batch, pieces), *self._squared[:1])
+        return pieces[data.index].view(*data.shape)
 
     def _decode_mapped(self, saved: Saved, data: Derived,
                        unclamped: RegionCode | None) -> tuple[RegionCode | None, torch.Tensor] | None:
@@ -1145,6 +1175,11 @@ class Packer:
             if full is not None:
                 self._encode_batches(full)
             p = self._batches.add(t, bits, seed, rec, layer)
+        node = t.grad_fn
+        if node is not None and t.dtype is torch.float32:
+            center = SQUARE_READERS.get(type(node).__name__)
+            if center is not None:  # NOTE [ Squares of a rounded result ]: read squared by its own backward
+                p.batch.squares[p.index] = center
         self._batch_range_stats(p, rec)  # (if it raises, the member is never live: the batch skips it)
         rec.bit_values += bits * p.numel
         rec.packed_bytes += p.nbytes

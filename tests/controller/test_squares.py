@@ -163,3 +163,60 @@ def test_a_batch_record_starting_inside_a_group_reads_its_own_groups(center: flo
         assert torch.equal(square_read(piece.clone(), m, center), want[m.start:m.start + m.numel])
         half = square_read(piece.half(), m, center).float()  # the PyTorch path
         assert torch.allclose(half, want[m.start:m.start + m.numel], atol=2e-3)
+
+
+class _Cell(nn.Module):
+    """A few steps of a GRU-like cell written out: its gates' tanh and sigmoid results are small
+    records of the same batches (NOTE [ Batched small records ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.h, self.out = nn.Linear(16, 3 * 96), nn.Linear(96, 3 * 96), nn.Linear(96, 4)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(xs.shape[1], 96)
+        for x in xs:
+            a, b, c = (self.x(x) + self.h(h)).chunk(3, dim=1)
+            z, r = torch.sigmoid(a), torch.sigmoid(b)
+            n = torch.tanh(c * r)
+            h = (1 - z) * n + z * h
+        return self.out(h)
+
+
+def _cell_grads(monkeypatch: pytest.MonkeyPatch, together: bool) -> tuple[list[torch.Tensor], int]:
+    from memctl.codecs.quantize import _kernels
+
+    calls = [0]
+    segments = _kernels.square_read_segments_cpu
+
+    def counting(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return segments(*args)
+
+    monkeypatch.setattr(packing, "square_read_segments_cpu", counting)
+    if not together:
+        monkeypatch.setattr(packing.Packer, "_squared_piece", lambda self, data: None)
+    torch.manual_seed(0)
+    model = _Cell()
+    xs = torch.randn(6, 64, 16, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    for _ in range(2):
+        opt.zero_grad()
+        model(xs).square().sum().backward()
+        opt.step()
+    ctl.detach()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], calls[0]
+
+
+def test_a_batchs_squared_records_corrected_together_are_as_one_by_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tanh and sigmoid records of a batch corrected by one call when the first is read give
+    the gradients of each corrected alone, bit for bit."""
+    together, calls = _cell_grads(monkeypatch, together=True)
+    assert calls > 0
+    monkeypatch.undo()
+    alone, none = _cell_grads(monkeypatch, together=False)
+    assert none == 0
+    assert all(torch.equal(a, b) for a, b in zip(together, alone, strict=True))

@@ -100,6 +100,7 @@ __all__ = [
     "encode_cpu",
     "encode_cuda",
     "square_read_cpu",
+    "square_read_segments_cpu",
 ]
 
 _CHUNKS_PER_THREAD = 16
@@ -126,10 +127,12 @@ def cpu_kernels() -> ModuleType:
     dec = [(u8, meta, i64, i64, f32, u8, nt.boolean, nt.float32)]
     aff = [(u8, meta, i64, i64, f32, f32, f32, f32, i64, u8, nt.boolean, nt.float32)]
     sq = [(f32, meta, i64, i64, nt.float32, i64, f32)]
+    seg = [(f32, meta, i64, i64, nt.int64[::1], nt.int64[::1], f32, f32)]
     _numba.prepare(
         "quantize",
         [(_cpu.encode, enc), (_cpu.encode_serial, enc), (_cpu.decode, dec), (_cpu.decode_serial, dec),
-         (_cpu.decode_affine, aff), (_cpu.decode_affine_serial, aff), (_cpu.square_read_serial, sq)],
+         (_cpu.decode_affine, aff), (_cpu.decode_affine_serial, aff), (_cpu.square_read_serial, sq),
+         (_cpu.square_read_segments, seg)],
     )
     return _cpu
 
@@ -233,6 +236,21 @@ def square_read_cpu(values: torch.Tensor, meta: Any, bits: int, group: int,
     if vals.size:
         cpu_kernels().square_read_serial(vals.reshape(-1), meta, group, bits, np.float32(center), offset,
                                          out.reshape(-1))
+    return torch.from_numpy(out)
+
+
+def square_read_segments_cpu(values: torch.Tensor, meta: Any, bits: int, group: int,
+                             segments: list[tuple[int, int, float]]) -> torch.Tensor:
+    """:func:`square_read_cpu` of each ``(start, stop, center)`` segment of a batch's values (a
+    contiguous float32 CPU tensor whose group ranges are ``meta``), in one call: a tensor of
+    ``values``' size whose values outside every segment are undefined."""
+    vals = values.numpy().reshape(-1)
+    out = np.empty_like(vals)
+    if segments:
+        starts = np.array([s[0] for s in segments], dtype=np.int64)
+        ends = np.array([s[1] for s in segments], dtype=np.int64)
+        centers = np.array([s[2] for s in segments], dtype=np.float32)
+        cpu_kernels().square_read_segments(vals, meta, group, bits, starts, ends, centers, out)
     return torch.from_numpy(out)
 
 
