@@ -32,9 +32,11 @@ sigmoid 17% -> 3.6% (1.08), and one draw's error falls too (tanh 39% -> 31%). Wh
 values pile up at a group's ends (a saturated tanh) the correction overshoots: there
 the values sit near the step's end and their variance is less than ``Δ²/6`` (tanh of a
 unit normal times 1.5: the square's excess 0.061 -> -0.013). The cost is one pass per
-read: ~10 µs for a 4,096-value record on the CPU, ~5 ms a step on the GRU of
-``benchmarks/training.py`` (288 gate reads), whose draws showed no bias beyond their noise
-either way (71% of the norm per draw; the mean of 256 within 1.5% of unbiased).
+read: ~10 µs for a 4,096-value record on the CPU when corrected alone, ~5 ms a step on the
+GRU of ``benchmarks/training.py`` (288 gate reads) before its batches' records were
+corrected together (2-6 µs less a saved tensor in its unpack hook since). Its draws
+showed no bias beyond their noise either way (71% of the norm per draw; the mean of 256
+within 1.5% of unbiased).
 """
 
 from __future__ import annotations
