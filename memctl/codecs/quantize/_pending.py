@@ -64,12 +64,10 @@ Lister = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 class _Check:
     """One record's pending check: its input, the host slot its flag lands in, the event after the copy."""
 
-    __slots__ = ("buffers", "bytes", "event", "flag", "slot", "source", "version")
+    __slots__ = ("buffers", "bytes", "event", "flag", "source", "version")
 
-    def __init__(self, buffers: PendingBuffers, source: torch.Tensor, flag: Any, event: Any,
-                 slot: int = -1) -> None:
+    def __init__(self, buffers: PendingBuffers, source: torch.Tensor, flag: Any, event: Any) -> None:
         self.buffers = buffers
-        self.slot = slot
         self.source: torch.Tensor | None = source
         self.version = source._version
         self.bytes = source.numel() * source.element_size()
@@ -92,10 +90,7 @@ class _Queue:
         with self.lock:
             self.make_room(source.numel() * source.element_size())
             host, free = self._host_slots(flag.device)
-            if not free:  # a slot not given back (a settle that failed): the unchecked flags own the rest
-                owned = {c.slot for c in self.checks.values()}
-                free.extend(i for i in range(host.numel()) if i not in owned)
-            slot = free.pop()
+            slot = free.pop()  # never empty: each unsettled check holds one, and they are fewer
             view = host[slot:slot + 1]
             view.copy_(flag, non_blocking=True)
             event = self._events.pop() if self._events else torch.cuda.Event()
@@ -106,7 +101,7 @@ class _Queue:
                 free.append(slot)
                 return value
 
-            self.add_check(_Check(buffers, source, read, event, slot))
+            self.add_check(_Check(buffers, source, read, event))
 
     def make_room(self, size: int) -> None:
         """Settle what has passed, then wait for the oldest checks until one more input of ``size``
@@ -195,8 +190,7 @@ class PendingBuffers(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if not self.settled and name in _EXCEPTION_BUFFERS:
-            _QUEUE.settle_one(self)
-            self.settled = True
+            _QUEUE.settle_one(self)  # (sets ``settled``)
         return self._buffers[name]
 
     def __iter__(self) -> Iterator[str]:
