@@ -365,6 +365,23 @@ def decode_affine_serial(
     )
 
 
+@numba.njit(inline="always")
+def _step_variance(meta: Any, g: Any, big: Any) -> Any:
+    """``Δ²/6`` of group ``g`` (its step ``Δ`` the range over ``big``), float32."""
+    step = (meta[g, 1] - meta[g, 0]) / big
+    return step * step * np.float32(1.0 / 6.0)
+
+
+@numba.njit(inline="always")
+def _toward(v: Any, center: Any, var: Any) -> Any:
+    """``v`` moved towards ``center`` so its squared distance from it falls by ``var`` (clamped
+    at 0), on its side of it (NOTE [ Squares of a rounded result ])."""
+    d = v - center
+    r2 = d * d - var
+    r = np.float32(np.sqrt(r2)) if r2 > 0 else np.float32(0.0)
+    return center + (r if d >= 0 else -r)
+
+
 @cached_jit(fastmath=False)
 def square_read_serial(values: Any, meta: Any, group: Any, bits: Any, center: Any, offset: Any,
                        out: Any) -> None:
@@ -374,16 +391,11 @@ def square_read_serial(values: Any, meta: Any, group: Any, bits: Any, center: An
     by ``step**2 / 6`` (clamped at 0), on their side of it (NOTE [ Squares of a rounded result ]
     in memctl/controller/squares.py)."""
     big = np.float32((1 << bits) - 1)
-    sixth = np.float32(1.0 / 6.0)
     n = values.size
     for g in range(meta.shape[0]):
-        step = (meta[g, 1] - meta[g, 0]) / big
-        var = step * step * sixth
+        var = _step_variance(meta, g, big)
         for i in range(max(0, g * group - offset), min(n, (g + 1) * group - offset)):
-            d = values[i] - center
-            r2 = d * d - var
-            r = np.float32(np.sqrt(r2)) if r2 > 0 else np.float32(0.0)
-            out[i] = center + (r if d >= 0 else -r)
+            out[i] = _toward(values[i], center, var)
 
 
 @cached_jit(fastmath=False)
@@ -394,19 +406,14 @@ def square_read_segments(values: Any, meta: Any, group: Any, bits: Any, starts: 
     read squared, corrected in one call (NOTE [ Squares of a rounded result ]); the values
     outside every segment are left unwritten."""
     big = np.float32((1 << bits) - 1)
-    sixth = np.float32(1.0 / 6.0)
     for k in range(starts.size):
         center = centers[k]
         end = ends[k]
         i = starts[k]
         while i < end:
             g = i // group
-            step = (meta[g, 1] - meta[g, 0]) / big
-            var = step * step * sixth
+            var = _step_variance(meta, g, big)
             stop = min(end, (g + 1) * group)
             while i < stop:
-                d = values[i] - center
-                r2 = d * d - var
-                r = np.float32(np.sqrt(r2)) if r2 > 0 else np.float32(0.0)
-                out[i] = center + (r if d >= 0 else -r)
+                out[i] = _toward(values[i], center, var)
                 i += 1
