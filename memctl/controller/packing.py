@@ -827,7 +827,7 @@ class Packer:
             name = type(node).__name__ if node is not None else None
             center = SQUARE_READERS.get(name) if name is not None else None
             if center is not None:  # NOTE [ Squares of a rounded result ] in squares.py
-                if type(data) is BatchRecord and data.index in data.batch.squares:
+                if type(data) is BatchRecord and data.batch.squares.get(data.index) == center:
                     squared = self._squared_piece(data)
                     if squared is not None:
                         return squared
