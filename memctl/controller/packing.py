@@ -1014,7 +1014,7 @@ class Packer:
                 or not values.is_contiguous():
             return None  # (not decoded through its batch: a record with exceptions, say)
         starts = list(itertools.accumulate(batch.sizes, initial=0))
-        segments = [(starts[i], starts[i] + batch.sizes[i], center) for i, center in batch.squares.items()]
+        segments = [(starts[i], starts[i + 1], center) for i, center in batch.squares.items()]
         out = square_read_segments_cpu(values, batch.meta.numpy()[:batch.groups], batch.bits, batch.group,
                                        segments)
         pieces = {i: out[s:e] for (s, e, _), i in zip(segments, batch.squares, strict=True)}
