@@ -575,7 +575,10 @@ class Packer:
                 return queued
         if self._queue:
             self.settle()
-        return self._pack_tensor(t, ptr, layer, t._version)
+        saved = self._pack_tensor(t, ptr, layer, t._version)
+        if layer == ROOT:  # NOTE [ Exception lists without a wait ]: saved after the forward (the loss's)
+            settle_checks()
+        return saved
 
     def settle(self) -> None:
         """Pack the queued tensors, in the order they were saved (NOTE [ Packs queued in the forward ])."""
@@ -813,7 +816,7 @@ class Packer:
         """Unpack hook: decode and check that shape and dtype came back unchanged."""
         if self._queue:
             self.settle()  # NOTE [ Packs queued in the forward ]
-        poll_checks()  # NOTE [ Exception lists without a wait ]: inputs saved after the forward (the loss's)
+        poll_checks()  # NOTE [ Exception lists without a wait ]
         if type(saved) is _Queued:
             if saved.saved is None:  # read while the queue is packed, before its turn: exact
                 return cast(torch.Tensor, saved.tensor)

@@ -62,5 +62,6 @@ def test_the_forward_waits_for_the_gpu_only_to_settle_its_checks() -> None:
             torch.cuda.set_sync_debug_mode(0)
     assert sites == []
     assert waiting == 0  # settled at the forward's end
+    assert _pending.waiting() == 0  # the loss's input, saved after the forward: settled at its pack
     loss.backward()
     ctl.detach()

@@ -20,8 +20,12 @@ Seen on an H200 (2026-11-27): a 4-layer transformer's forward at batch 128 ended
 last inputs (the logits among them) still held for their checks, which were settled only
 by the next encode, so the memory held between the forward and the backward grew from
 238 to 363 MiB; the settle at the forward's end came from that run. It waits once per
-forward, for the GPU to finish the forward. What is saved after the model's forward (the
-loss's inputs) is settled by the backward's unpacks, each of which settles what has passed.
+forward, for the GPU to finish the forward. The next run on the same GPU still held 363 MiB:
+the 125 MiB left were the loss's input, saved after the model's forward had ended (the
+cross-entropy's log-probabilities, NOTE [ Log-probabilities ] in ``logprobs.py``), whose
+check waited for the backward's first unpack. A tensor saved outside the model's forward
+now settles every check after its encode (a wait for the loss's few ops: the forward's
+are already waited for), and each unpack settles, without waiting, what has passed.
 
 At most :data:`MOST_WAITING` inputs, and :data:`MOST_WAITING_BYTES` of them, are held: past
 either, the oldest check is waited for. That bounds both the memory an unchecked input
