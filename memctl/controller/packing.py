@@ -1712,20 +1712,24 @@ class Packer:
         at most ``DERIVED_RANGE_EVERY - 1`` steps old for the derived ones; the sensitivity
         it feeds is an average over steps anyway.
         """
-        g = self._config.group_size
         meta = p.buffers.get("meta")
         if meta is not None and meta.dtype is torch.float32 and meta.dim() == 2 and meta.size(1) == 2:
-            entry = self._metas.get(id(rec))
-            if entry is None:
-                self._metas[id(rec)] = (rec, [meta])
-            else:
-                entry[1].append(meta)
+            self._keep_meta(rec, meta)
             return
         if meta is not None and meta.dim() == 2 and meta.shape[1] == 2:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
         else:
-            lo, hi = _group_ranges(t.detach().reshape(-1).float(), g)
-        _RangeTerms.of(t.numel(), lo, hi, g).add_to(rec)
+            lo, hi = _group_ranges(t.detach().reshape(-1).float(), self._config.group_size)
+        self._keep_meta(rec, _RangeTerms.of(t.numel(), lo, hi).meta)
+
+    def _keep_meta(self, rec: LayerStep, meta: torch.Tensor) -> None:
+        """Keep ``meta`` (float32 ``(groups, 2)``: each group's min and max) for ``rec``'s range
+        statistics, reduced at the step boundary (NOTE [ Range statistics ])."""
+        entry = self._metas.get(id(rec))
+        if entry is None:
+            self._metas[id(rec)] = (rec, [meta])
+        else:
+            entry[1].append(meta)
 
     def _batch_range_stats(self, p: BatchRecord, rec: LayerStep) -> None:
         """:meth:`_range_stats` of a batched record: its groups of the batch's metadata, written
@@ -1752,36 +1756,40 @@ class Packer:
         if not due and i < len(terms) and terms[i].numel == t.numel():
             term = terms[i]
         else:
-            g = self._config.group_size
-            term = _RangeTerms.of(t.numel(), *_group_ranges(t.detach().reshape(-1).float(), g), g)
+            flat = t.detach().reshape(-1).float()
+            term = _RangeTerms.of(t.numel(), *_group_ranges(flat, self._config.group_size))
             if i < len(terms):
                 terms[i] = term
             else:
                 terms.append(term)
-        term.add_to(rec)
+        self._keep_meta(rec, term.meta)
 
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ]).
 
         The layers on the host are reduced together: their runs of groups in one array, each
         layer's sum of squared ranges, minimum and maximum by ``reduceat`` (a few NumPy calls a
-        step however many layers and runs; NumPy's reductions cost a µs, torch's ~5)."""
+        step however many layers and runs; NumPy's reductions cost a µs, torch's ~5). So are a
+        device's layers, by :func:`_segment_ranges`: about ten launches a step, where one layer
+        at a time took eight a layer."""
         g = self._config.group_size
         host: list[np.ndarray] = []
         starts: list[int] = []
         recs: list[LayerStep] = []
         rows = 0
         views: dict[int, np.ndarray] = {}
+        devices: dict[torch.device, tuple[list[torch.Tensor], list[int], list[LayerStep]]] = {}
         for rec, kept in self._metas.values():
             first = kept[0]
-            if not (first if type(first) is torch.Tensor else first[0]).is_cpu:
+            first_meta = first if type(first) is torch.Tensor else first[0]
+            if not first_meta.is_cpu:
                 metas = [k if type(k) is torch.Tensor else k[0][k[1]:k[2]] for k in kept]
-                m = metas[0] if len(metas) == 1 else torch.cat(metas)
-                lo, hi = m[:, 0].double(), m[:, 1].double()
-                rng = hi - lo
-                rec.range_terms.append(rng.dot(rng) * g)
-                rec.mins.append(lo.min())
-                rec.maxs.append(hi.max())
+                count = sum(m.shape[0] for m in metas)
+                if count:
+                    on = devices.setdefault(first_meta.device, ([], [], []))
+                    on[0].extend(metas)
+                    on[1].append(count)
+                    on[2].append(rec)
                 continue
             begin = rows
             for k in kept:
@@ -1798,6 +1806,12 @@ class Packer:
                 starts.append(begin)
                 recs.append(rec)
         self._metas.clear()
+        for metas, counts, on_device in devices.values():
+            terms_d, mins_d, maxs_d = _segment_ranges(metas, counts, g)
+            for j, rec in enumerate(on_device):  # views of three tensors: one read-back at the boundary
+                rec.range_terms.append(terms_d[j])
+                rec.mins.append(mins_d[j])
+                rec.maxs.append(maxs_d[j])
         if not recs:
             return
         a = np.concatenate(host).astype(np.float64)
@@ -1840,23 +1854,34 @@ DERIVED_RANGE_EVERY = 4
 
 @dataclass(frozen=True)
 class _RangeTerms:
-    """One record's range statistics: its size, ``G·Σ_g R_g²``, its smallest and largest value."""
+    """One derived record's group ranges: its size and its groups' ``(min, max)`` as a quantize
+    record's metadata, float32 ``(groups, 2)`` (NOTE [ Range statistics ])."""
 
     numel: int
-    range_term: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
+    meta: torch.Tensor
 
     @classmethod
-    def of(cls, numel: int, lo: torch.Tensor, hi: torch.Tensor, group: int) -> _RangeTerms:
-        """The terms of a record of ``numel`` values from its groups' ``(lo, hi)``."""
-        rng = hi.double() - lo.double()
-        return cls(numel, rng.square().sum() * group, lo.min(), hi.max())
+    def of(cls, numel: int, lo: torch.Tensor, hi: torch.Tensor) -> _RangeTerms:
+        """The ranges of a record of ``numel`` values from its groups' ``lo`` and ``hi``."""
+        return cls(numel, torch.stack((lo.float(), hi.float()), 1))
 
-    def add_to(self, rec: LayerStep) -> None:
-        rec.range_terms.append(self.range_term)
-        rec.mins.append(self.lo)
-        rec.maxs.append(self.hi)
+
+def _segment_ranges(metas: list[torch.Tensor], counts: list[int],
+                    group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(G·Σ_g R_g², min, max)`` of each run of ``counts[i]`` consecutive groups of ``metas``
+    (float32 ``(groups, 2)`` tensors on one device) concatenated, in float64, each a tensor of
+    ``len(counts)`` values: one pass for every layer of a step (NOTE [ Range statistics ]).
+    The counts travel to a GPU from pinned memory, behind the queued work (no wait)."""
+    m = metas[0] if len(metas) == 1 else torch.cat(metas)
+    a = m.double()
+    lo, hi = a[:, 0], a[:, 1]
+    span = hi - lo
+    if len(counts) == 1:
+        return (span.dot(span) * group).reshape(1), lo.min().reshape(1), hi.max().reshape(1)
+    lengths = torch.tensor(counts, dtype=torch.int64, pin_memory=m.is_cuda).to(m.device, non_blocking=True)
+    terms = torch.segment_reduce(span * span, "sum", lengths=lengths) * group
+    mins = torch.segment_reduce(lo, "min", lengths=lengths)
+    return terms, mins, torch.segment_reduce(hi, "max", lengths=lengths)
 
 
 def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -343,9 +343,11 @@ def test_derived_ranges_are_measured_every_few_steps(monkeypatch: pytest.MonkeyP
                             calibration_fraction=0.0)
     packer = ctl._packer
     terms: list[list[float]] = []
+    kept: list[set[int]] = []  # the group metadata each step's fold reduced, by identity
     fold = packer.finish_step
 
     def finish() -> dict[str, Any]:
+        kept.append({id(m) for _, metas in packer._metas.values() for m in metas if type(m) is torch.Tensor})
         records = fold()
         terms.append(sorted(float(t) for rec in records.values() for t in rec.range_terms))
         return records
@@ -369,8 +371,8 @@ def test_derived_ranges_are_measured_every_few_steps(monkeypatch: pytest.MonkeyP
     assert len({len(t) for t in terms}) == 1
     derived = packer._derived_ranges
     assert derived and all(len(v) > 0 for v in derived.values())
-    reused = {float(term.range_term) for v in derived.values() for term in v}
-    assert reused <= set(terms[every])
+    reused = {id(term.meta) for v in derived.values() for term in v}
+    assert reused <= kept[every]
 
 
 def test_a_derived_record_of_a_new_size_is_measured_at_once() -> None:

@@ -53,6 +53,32 @@ def test_read_scalars_takes_floats_and_keeps_torchs_nan() -> None:
         assert math.isnan(vmax) and math.isnan(range_sum)
 
 
+def test_the_device_path_reads_everything_back_in_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path of values on a GPU, run here on CPU tensors: the same rows as the host path, and
+    one ``tolist`` for every layer's four lists, whatever their dtypes."""
+    steps = [_step(0, 3), _step(1, 1), LayerStep(), _step(2, 2)]
+    steps[3].mins[0] = float(steps[3].mins[0])  # a float among the tensors
+    steps[3].grad_sq[1] = steps[3].grad_sq[1].to(torch.bfloat16)
+    steps[1].maxs[0] = steps[1].maxs[0].reshape(1)  # a one-value tensor that is not 0-d
+    on_host = read_scalars(steps)
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(t: torch.Tensor) -> object:
+        reads.append(t.numel())
+        return tolist(t)
+
+    monkeypatch.setattr(stats, "_on_host", lambda values: None)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    on_device = read_scalars(steps)
+    assert len(reads) == 1
+    for a, b in zip(on_host, on_device, strict=True):
+        assert a == pytest.approx(b, rel=1e-12, nan_ok=True)
+    nan = _step(0, 3)
+    nan.maxs[1] = torch.tensor(float("nan"))
+    assert math.isnan(read_scalars([nan])[0][1]) and not math.isnan(read_scalars([nan])[0][0])
+
+
 def test_update_with_read_scalars_equals_update_alone() -> None:
     step = _step(3, 4)
     a, b = LayerState(name="a"), LayerState(name="b")
@@ -85,7 +111,30 @@ def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-
     assert sum(la["max"] is not None for la in ctl.stats()["layers"]) >= 5
 
 
-def test_fold_for_a_device_read_turns_floats_into_tensors_on_the_values_device() -> None:
+def test_read_back_takes_floats_beside_tensors_of_several_dtypes() -> None:
     """The device path (a GPU's values, read back once) takes floats beside tensors too."""
-    folded = stats._fold([torch.tensor(1.5), 2.25, torch.tensor(-1.0, dtype=torch.float64)], torch.float64)
-    assert folded.dtype == torch.float64 and folded.tolist() == [1.5, 2.25, -1.0]
+    got = stats.read_back([[torch.tensor(1.5), 2.25], [], [torch.tensor(-1.0, dtype=torch.float64),
+                                                          torch.tensor([0.5], dtype=torch.bfloat16)]])
+    assert got == [[1.5, 2.25], [], [-1.0, 0.5]]
+    assert stats.read_back([[3.0]]) == [[3.0]]
+
+@pytest.mark.parametrize("counts", [[7], [3, 1, 12], [1, 1]])
+def test_segment_ranges_match_each_layers_own_reduction(counts: list[int]) -> None:
+    """NOTE [ Range statistics ]: a device's layers folded together give each layer's own terms."""
+    from memctl.controller.packing import _segment_ranges
+
+    g = torch.Generator().manual_seed(len(counts))
+    metas = []
+    for c in counts:  # a layer's groups split over two records where it has several
+        lo = torch.randn(c, generator=g)
+        meta = torch.stack((lo, lo + torch.rand(c, generator=g) * 3), 1)
+        metas.extend([meta] if c < 2 else [meta[:1], meta[1:]])
+    terms, mins, maxs = _segment_ranges(metas, counts, 256)
+    whole = torch.cat(metas).double()
+    start = 0
+    for j, c in enumerate(counts):
+        part = whole[start:start + c]
+        start += c
+        span = part[:, 1] - part[:, 0]
+        assert float(terms[j]) == pytest.approx(float((span * span).sum() * 256), rel=1e-12)
+        assert float(mins[j]) == float(part[:, 0].min()) and float(maxs[j]) == float(part[:, 1].max())
