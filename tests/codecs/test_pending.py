@@ -136,3 +136,55 @@ def test_a_half_precision_input_lists_its_exceptions_as_float32() -> None:
     assert record.buffers["exc_value"].dtype is torch.float32
     got = QuantizeCodec().decode(record)
     assert got.dtype is torch.bfloat16 and math.isnan(got[1]) and got[500] == -math.inf
+
+
+class _Recorded(_Event):
+    """A stand-in event that a slab records after its copy."""
+
+    def record(self, stream: object = None) -> None:
+        self.recorded = True
+
+
+def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flag slots from one slab: one copy (one event) per FLUSH_EVERY checks; a wait on a check
+    whose slot has not travelled sends it first; a set flag lists the exceptions; every slot
+    is zero again when the slab comes round."""
+    events: list[_Recorded] = []
+
+    def event() -> _Recorded:
+        events.append(_Recorded())
+        return events[-1]
+
+    monkeypatch.setattr(_pending._QUEUE, "event", event)
+    monkeypatch.setattr(_pending._QUEUE, "_slabs", {})
+    monkeypatch.setattr(_pending._QUEUE, "_taken", {})
+    codec = QuantizeCodec()
+    cpu = torch.device("cpu")
+    records = []
+    for i in range(_pending.SLAB + 3):
+        x = _data(200 + i, bad=i % 5 == 0)
+        flag = _pending.flag_slot(cpu)
+        assert flag.item() == 0  # zeroed, the slab's second round too
+        if i % 5 == 0:
+            flag += 1  # what the encode kernel writes when its input holds a non-finite value
+        record = codec.encode(x, bits=2, seed=i)
+        empty = codec._no_exceptions(cpu)
+        buffers = dict(record.buffers, exc_index=empty[0], exc_value=empty[1])
+        pending = _pending.pend(buffers, _source_exceptions, x, flag)
+        records.append((x, pending))
+        for e in events:
+            e.passed = True  # the GPU has run everything queued
+        assert _pending.waiting() <= _pending.MOST_WAITING
+    sent_with_room = len(events)
+    assert sent_with_room <= -(-(_pending.SLAB + 3) // _pending.FLUSH_EVERY) + 1
+    unsent = (_pending.SLAB + 3) % _pending.FLUSH_EVERY
+    assert _pending.waiting() == unsent  # the others' copies have passed: settled by the polls
+    assert all(c.event is None for c in _pending._QUEUE.checks.values())
+    x, last = records[-1]
+    assert last["exc_index"].numel() == 0  # its slot had not travelled: the wait sent it
+    assert len(events) == sent_with_room + 1
+    _pending.settle()
+    assert _pending.waiting() == 0
+    for i, (x, pending) in enumerate(records):
+        assert pending["exc_index"].numel() == (2 if i % 5 == 0 else 0)

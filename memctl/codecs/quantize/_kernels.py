@@ -326,7 +326,12 @@ def encode_cuda(
     meta = torch.empty((ngroups, 2), dtype=torch.float32, device=dev)
     if n == 0:
         return payload, meta, 0
-    bad = torch.zeros(1, dtype=torch.int32, device=dev)
+    if dev.type == "cuda":  # a slot of the flags' slab (NOTE [ Exception lists without a wait ] in _pending)
+        from memctl.codecs.quantize import _pending
+
+        bad = _pending.flag_slot(dev)
+    else:
+        bad = torch.zeros(1, dtype=torch.int32, device=dev)
     teams = _team_kernels(bits, group)
     if teams is not None:
         from memctl.codecs.quantize import _cuda_teams
