@@ -114,7 +114,10 @@ same tensors in the same order every step, so a record remembers its slot (layer
 among the layer's packs in the forward, number of values), a raise to a floor remembers
 the slot's floor, and the next forward encodes a tensor packed at a remembered slot at
 its floor straight away (a record outside the allocation's control, as the raise would
-have made it). The later raise then finds it at its floor, which confirms the slot for
+have made it), or keeps it exact where the raise kept it exact (an attention's logsumexp,
+a LayerNorm's row statistics: NOTE [ Norm statistics ] in floors.py; until 2026-11-27
+these were encoded and then copied every step, 22 encodes of the 60 of a step of that
+transformer on a GPU). The later raise then finds it at its floor, which confirms the slot for
 the forward after; a slot not confirmed in a forward is forgotten, so a model whose
 forward changes gets one forward of double encodes, as before, and nothing worse. Slots
 carry no region code (a record with one is never encoded early), and a forward that packs
@@ -661,7 +664,8 @@ class Packer:
         # (active again if t's own floor was found: NOTE [ Walks that find nothing ] in walks.py)
         data = saved.data
         quantised = isinstance(data, Packed) and data.codec == "quantize"
-        if quantised and saved.layer is not None and self._floors.active:
+        hinted = saved.slot is not None and type(data) is torch.Tensor  # exact by a hint: its raise confirms
+        if (quantised or hinted) and saved.layer is not None and self._floors.active:
             self._floors.note(t, saved, saved.layer)
         return saved
 
@@ -974,7 +978,7 @@ class Packer:
         if node is not None and type(node).__name__ in _VALUE_READERS:
             return values
         floor = mask_floor(dtype)
-        if values.dim() >= 2:  # NOTE [ Fused channel passes ]: the identity map with the mask
+        if values.dim() >= 2 and values.is_cpu:  # NOTE [ Fused channel passes ]: the identity map, masked
             ones = torch.ones(values.shape[1])
             zeros = torch.zeros(values.shape[1])
             fast = channels.affine(values, zeros, ones, zeros, mask=code.planes[0].buffers["payload"],
@@ -1299,7 +1303,8 @@ class Packer:
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
-            p: Packed | torch.Tensor = self._codec("quantize").encode(t.detach(), bits=bits, seed=seed)
+            p: Packed | torch.Tensor = t.detach().clone() if bits >= KEEP_BITS else \
+                self._codec("quantize").encode(t.detach(), bits=bits, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             p = t.detach().clone()
@@ -1315,11 +1320,14 @@ class Packer:
         (NOTE [ Bit floors ]); its values leave the layer's controlled values."""
         saved, source = found.saved, found.source
         old = saved.data
+        if found.bits is None and saved.slot is not None and isinstance(old, torch.Tensor):
+            self._hints_next[saved.slot] = KEEP_BITS  # kept exact at once: NOTE [ Floors known from ... ]
+            return
         if not isinstance(old, Packed) or old.codec != "quantize":
             return
         old_bits = int(old.params["bits"])
-        if saved.slot is not None and found.bits is not None:
-            self._hints_next[saved.slot] = found.bits  # NOTE [ Floors known from the last forward ]
+        if saved.slot is not None:  # NOTE [ Floors known from the last forward ]
+            self._hints_next[saved.slot] = KEEP_BITS if found.bits is None else found.bits
         if found.bits is not None and old_bits >= found.bits:
             return
         self._counter += 1
@@ -1889,27 +1897,29 @@ def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tenso
     group with none (NOTE [ Range statistics ]).
 
     On a CPU one ``amin`` and one ``amax`` pass over the groups come first: they are the answer
-    unless some group holds a non-finite value (its min or max is then non-finite), which is rare. On a
-    GPU, where that check would wait for the device, and for those rare tensors, non-finite
-    values are masked out first (three passes more).
+    unless some group holds a non-finite value (its min or max is then non-finite, and so is
+    the sum of the differences, which is read back; an overflow of that sum only takes the
+    path below), which is rare. On a GPU, where that read would wait for the device, and for
+    those rare tensors, each non-finite value is replaced by the neutral value of each
+    reduction first (two passes more; ``isfinite`` is four ops and ``where`` one more).
     """
     numel = flat.numel()
     if flat.is_cpu and numel and numel % g == 0:
         groups = flat.view(-1, g)
         # two reductions: aminmax(dim=1) took 5.3 ms on 2.4M values at one thread, amin and amax 0.3
         lo, hi = groups.amin(dim=1), groups.amax(dim=1)
-        if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
+        if math.isfinite(float((lo - hi).sum())):
             return lo, hi
-    finite = torch.isfinite(flat)
-    lo_src = torch.where(finite, flat, torch.inf)
-    hi_src = torch.where(finite, flat, -torch.inf)
+    inf = math.inf
+    lo_src = flat.nan_to_num(nan=inf, posinf=inf, neginf=inf)
+    hi_src = flat.nan_to_num(nan=-inf, posinf=-inf, neginf=-inf)
     pad = (-numel) % g
     if pad:
-        lo_src = torch.nn.functional.pad(lo_src, (0, pad), value=torch.inf)
-        hi_src = torch.nn.functional.pad(hi_src, (0, pad), value=-torch.inf)
+        lo_src = torch.nn.functional.pad(lo_src, (0, pad), value=inf)
+        hi_src = torch.nn.functional.pad(hi_src, (0, pad), value=-inf)
     lo = lo_src.view(-1, g).amin(dim=1)
     hi = hi_src.view(-1, g).amax(dim=1)
-    ok = torch.isfinite(lo) & torch.isfinite(hi)
+    ok = lo <= hi  # a group without a finite value: inf against -inf
     return torch.where(ok, lo, 0.0), torch.where(ok, hi, 0.0)
 
 
