@@ -96,8 +96,7 @@ class DirectLaunch:
         if function is None:
             with torch.cuda.device(index):
                 function = self._functions[(id(kernel), index)] = kernel._codelibrary.get_cufunc().kernel
-        launch(_core_stream(torch.cuda.current_stream(device).cuda_stream), _config(grid, block), function,
-               *params)
+        launch(_core_stream(_backend.current_stream_handle(device)), _config(grid, block), function, *params)
 
     def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> list[Any]:
         """Launch through Numba's dispatcher; returns the arguments as Numba saw them.

@@ -124,6 +124,7 @@ bits (``x`` at 8) Mish's draws are unbiased (ratio 0.99).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -305,7 +306,7 @@ def _statistics(node: Any, z: torch.Tensor, x: torch.Tensor | None) -> _Stats | 
         return None
     mean = mean.detach().float().reshape(-1)
     invstd = invstd.detach().float().reshape(-1)
-    usable = (invstd > 0) & torch.isfinite(invstd)
+    usable = (invstd > 0) & (invstd < math.inf)  # finite and positive (isfinite is four ops, this two)
     if invstd.is_cpu:
         if not bool(usable.all()):  # one read-back, not two
             return None

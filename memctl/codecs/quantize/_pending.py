@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from memctl.codecs import _backend
+
 __all__ = ["FLUSH_EVERY", "MOST_WAITING", "MOST_WAITING_BYTES", "SLAB", "PendingBuffers", "flag_slot",
            "settle", "waiting"]
 
@@ -101,9 +103,11 @@ class _Check:
 class _Slab:
     """The flag slots of one device and stream (NOTE [ Exception lists without a wait ])."""
 
-    def __init__(self, device: torch.device, stream: Any, flags: torch.Tensor | None = None) -> None:
-        """``flags``: one slot already taken (a flag not from :func:`flag_slot`), copied alone."""
-        self.stream = stream
+    def __init__(self, device: torch.device, handle: int, flags: torch.Tensor | None = None) -> None:
+        """``handle``: the stream's (0 for the tests' CPU stand-ins); ``flags``: one slot already
+        taken (a flag not from :func:`flag_slot`), copied alone."""
+        self.handle = handle
+        self.stream = torch.cuda.ExternalStream(handle, device=device) if device.type == "cuda" else None
         self.flags = torch.zeros(SLAB, dtype=torch.int32, device=device) if flags is None else flags
         self.host = torch.zeros(self.flags.numel(), dtype=torch.int32, pin_memory=self.flags.is_cuda)
         self.next = 0 if flags is None else 1
@@ -114,19 +118,25 @@ class _Slab:
         """The next zeroed slot (a view of one int32) and its place; a full slab is sent, then zeroed."""
         if self.next == SLAB:
             self.send()
-            with _on(self.stream):
+            with self._on():
                 self.flags.zero_()  # behind the copy: the values travel first
             self.next = self.first_unsent = 0
         slot = self.next
         self.next += 1
         return self.flags[slot:slot + 1], slot
 
+    def _on(self) -> Any:
+        """The slab's stream made current, unless it is already (the usual case: one C call)."""
+        if self.stream is None or _backend.current_stream_handle(self.flags.device) == self.handle:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
     def send(self) -> None:
         """Copy the slots taken since the last copy to the host, behind one event for their checks."""
         if self.first_unsent == self.next:
             return
         a, b = self.first_unsent, self.next
-        with _on(self.stream):
+        with self._on():
             self.host[a:b].copy_(self.flags[a:b], non_blocking=True)
         event = _QUEUE.event()
         event.record(self.stream)
@@ -154,7 +164,7 @@ class _Queue:
             self.make_room(source.numel() * source.element_size())
             slab, slot = self._taken.pop(flag.data_ptr(), (None, 0))
             if slab is None:  # a flag of its own (not from a slab): copied alone
-                slab = _Slab(flag.device, _stream(flag.device), flag.reshape(1))
+                slab = _Slab(flag.device, _handle(flag.device), flag.reshape(1))
             host = slab.host
 
             def read(host: torch.Tensor = host, slot: int = slot) -> int:
@@ -169,12 +179,12 @@ class _Queue:
     def flag_slot(self, device: torch.device) -> torch.Tensor:
         """A zeroed int32 flag on ``device`` for an encode on its current stream, from that
         stream's slab; :meth:`add` finds its slab by its address."""
-        stream = _stream(device)
+        handle = _handle(device)
         with self.lock:
-            key = (device, 0 if stream is None else stream.cuda_stream)
+            key = (device, handle)
             slab = self._slabs.get(key)
             if slab is None:
-                slab = self._slabs[key] = _Slab(device, stream)
+                slab = self._slabs[key] = _Slab(device, handle)
             flag, slot = slab.take()
             self._taken[flag.data_ptr()] = (slab, slot)
             return flag
@@ -244,13 +254,9 @@ class _Queue:
             index, value = buffers.lister(source)
         buffers.settle_with(index, value)
 
-def _stream(device: torch.device) -> Any:
-    """The current stream of a CUDA ``device``; None elsewhere (the tests' CPU stand-ins)."""
-    return torch.cuda.current_stream(device) if device.type == "cuda" else None
-
-
-def _on(stream: Any) -> Any:
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+def _handle(device: torch.device) -> int:
+    """The current stream's handle on a CUDA ``device``; 0 elsewhere (the tests' CPU stand-ins)."""
+    return _backend.current_stream_handle(device) if device.type == "cuda" else 0
 
 
 _QUEUE = _Queue()
