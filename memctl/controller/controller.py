@@ -341,7 +341,9 @@ class Controller:
             record = self._packer.record(name)
 
             def on_grad(g: torch.Tensor) -> None:
-                record.grad_sq.append(g.detach().float().square().sum())
+                flat = g.detach().reshape(-1)
+                flat = flat if flat.dtype is torch.float32 else flat.float()
+                record.grad_sq.append(torch.dot(flat, flat))  # one op and one pass (square().sum(): two)
 
             out.register_hook(on_grad)
 
