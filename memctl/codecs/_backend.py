@@ -118,7 +118,11 @@ def current_stream_handle(device: torch.device) -> int:
     """The CUDA handle of PyTorch's current stream on ``device``: ``torch.cuda.current_stream``
     makes a Python stream object each call (~5 µs on an H200 machine, once per kernel launch);
     the raw handle is one C call where PyTorch offers it (CUDA builds)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return stream_handle(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def stream_handle(index: int) -> int:
+    """:func:`current_stream_handle` of the CUDA device of index ``index``."""
     if _RAW_STREAM is not None:
         return int(_RAW_STREAM(index))
     return int(torch.cuda.current_stream(index).cuda_stream)

@@ -56,12 +56,13 @@ class DirectLaunch:
         self.name = name
         self._configure = configure
         self.broken = False
+        self._simulated = _backend.cuda_simulated()  # (fixed for the process: read once, not per launch)
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[_Setter, ...]]] = {}
         self._functions: dict[tuple[int, int], Any] = {}
 
     def __call__(self, grid: int, block: int, device: torch.device, *args: Any) -> None:
         """Run the kernel on PyTorch's current stream of ``device`` with ``args`` (tensors and scalars)."""
-        if self.broken or device.type != "cuda" or _backend.cuda_simulated():
+        if self.broken or device.type != "cuda" or self._simulated:
             self._usual(grid, block, device, args)
             return
         key = _signature(args)
@@ -90,13 +91,12 @@ class DirectLaunch:
                 self._usual(grid, block, device, args)
 
     def _launch(self, kernel: Any, grid: int, block: int, device: torch.device, params: list[Any]) -> None:
-        launch = _core().launch
         index = device.index if device.index is not None else torch.cuda.current_device()
         function = self._functions.get((id(kernel), index))
         if function is None:
             with torch.cuda.device(index):
                 function = self._functions[(id(kernel), index)] = kernel._codelibrary.get_cufunc().kernel
-        launch(_core_stream(_backend.current_stream_handle(device)), _config(grid, block), function, *params)
+        _core().launch(_core_stream(_backend.stream_handle(index)), _config(grid, block), function, *params)
 
     def _usual(self, grid: int, block: int, device: torch.device, args: tuple[Any, ...]) -> list[Any]:
         """Launch through Numba's dispatcher; returns the arguments as Numba saw them.
