@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -249,3 +250,32 @@ def test_cuda_compile_failure_falls_back_with_one_warning(monkeypatch: pytest.Mo
         back = codec.decode(p, impl="cuda")
     assert p.to_bytes() == codec.encode(mask, impl="reference").to_bytes()
     assert torch.equal(back, mask)
+
+
+def test_a_geometry_that_fitted_skips_its_first_plane_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Window codes ]: each check reads the tensor back (a wait for a GPU); a geometry that
+    has fitted a whole tensor is checked on the whole tensor only, with the same record."""
+    from memctl.codecs.lossless import _window
+
+    monkeypatch.setattr(_window, "_FITTED", set())
+    checks: list[int] = []
+    fits = _window._fits
+
+    def counting(planes: torch.Tensor, w: Any) -> bool:
+        checks.append(planes.dim())
+        return fits(planes, w)
+
+    monkeypatch.setattr(_window, "_fits", counting)
+    g = torch.Generator().manual_seed(5)
+    records = []
+    per_encode = []
+    for _ in range(2):
+        _, idx = torch.nn.functional.max_pool2d(torch.randn(2, 4, 16, 16, generator=g), 2, 2,
+                                                return_indices=True)
+        before = len(checks)
+        records.append((LosslessCodec().encode(idx), idx))
+        per_encode.append(len(checks) - before)
+    assert per_encode[0] >= 1 and per_encode[1] == 0 and len(_window._FITTED) == 1
+    for p, idx in records:
+        assert p.params["layout"] == "window" and p.params["bits"] == 2
+        assert torch.equal(LosslessCodec().decode(p), idx)

@@ -186,5 +186,5 @@ def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(
     assert len(events) == sent_with_room + 1
     _pending.settle()
     assert _pending.waiting() == 0
-    for i, (x, pending) in enumerate(records):
+    for i, (_, pending) in enumerate(records):
         assert pending["exc_index"].numel() == (2 if i % 5 == 0 else 0)
