@@ -245,3 +245,27 @@ def test_a_graph_shape_that_never_rebuilds_is_walked_now_and_then(monkeypatch: p
     ctl.detach()
     # one shape of graph (tanh of a sum of two matmuls), 100 times: 4 walks, then 1 in 64
     assert 4 <= calls["n"] <= 4 + 100 // 64 + 1, calls
+
+
+def test_a_constant_found_once_is_tried_first_without_a_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An added constant is read off the data once; later tensors that add the same one take a
+    single check (no sort, no read-back), and one that adds another is searched again."""
+    from memctl.controller import expressions
+
+    monkeypatch.setattr(expressions, "_KNOWN", {})
+    searches: list[float | None] = []
+    search = expressions._search_constant
+
+    def counting(name: str, u: torch.Tensor, t: torch.Tensor) -> float | None:
+        searches.append(search(name, u, t))
+        return searches[-1]
+
+    monkeypatch.setattr(expressions, "_search_constant", counting)
+    g = torch.Generator().manual_seed(3)
+    got = []
+    for c in (1.0, 1.0, 1.0, 0.5):
+        u = torch.tanh(torch.randn(4096, generator=g))
+        got.append(expressions._constant_from("AddBackward0", 1.0, u, u + c))
+    assert got == [1.0, 1.0, 1.0, 0.5] and searches == [1.0, 0.5]
+    u = torch.randn(64, generator=g)
+    assert expressions._constant_from("AddBackward0", 1.0, u, u * 2.0) is None  # no constant at all
