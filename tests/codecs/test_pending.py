@@ -188,3 +188,35 @@ def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(
     assert _pending.waiting() == 0
     for i, (_, pending) in enumerate(records):
         assert pending["exc_index"].numel() == (2 if i % 5 == 0 else 0)
+
+
+def test_a_slot_sent_by_a_wait_for_room_before_its_check_is_queued_still_settles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for one check, each encode's wait for room sends the slab (its own slot too,
+    taken before its check is queued); every check still gets an event and settles."""
+    events: list[_Recorded] = []
+
+    def event() -> _Recorded:
+        events.append(_Recorded())
+        return events[-1]
+
+    monkeypatch.setattr(_pending, "MOST_WAITING", 1)
+    monkeypatch.setattr(_pending._QUEUE, "event", event)
+    monkeypatch.setattr(_pending._QUEUE, "_slabs", {})
+    monkeypatch.setattr(_pending._QUEUE, "_taken", {})
+    codec = QuantizeCodec()
+    cpu = torch.device("cpu")
+    pendings = []
+    for i in range(6):
+        x = _data(300 + i, bad=i == 3)
+        flag = _pending.flag_slot(cpu)
+        if i == 3:
+            flag += 1
+        record = codec.encode(x, bits=2, seed=i)
+        empty = codec._no_exceptions(cpu)
+        pendings.append(_pending.pend(dict(record.buffers, exc_index=empty[0], exc_value=empty[1]),
+                                      _source_exceptions, x, flag))
+        assert _pending.waiting() <= 1
+    _pending.settle()
+    assert _pending.waiting() == 0
+    assert [p["exc_index"].numel() for p in pendings] == [0, 0, 0, 2, 0, 0]

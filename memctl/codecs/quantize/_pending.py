@@ -132,18 +132,21 @@ class _Slab:
         return torch.cuda.stream(self.stream)
 
     def send(self) -> None:
-        """Copy the slots taken since the last copy to the host, behind one event for their checks."""
-        if self.first_unsent == self.next:
-            return
-        a, b = self.first_unsent, self.next
-        with self._on():
-            self.host[a:b].copy_(self.flags[a:b], non_blocking=True)
-        event = _QUEUE.event()
-        event.record(self.stream)
-        for check in self.unsent:
-            check.event = event
-        self.unsent = []
-        self.first_unsent = b
+        """Copy the slots taken since the last copy to the host, and record one event behind it for
+        the checks queued since. A slot can travel before its check is queued (a wait for room
+        comes between the encode and its check): its copy is then behind the event recorded for
+        it later, on the same stream."""
+        if self.first_unsent < self.next:
+            a, b = self.first_unsent, self.next
+            with self._on():
+                self.host[a:b].copy_(self.flags[a:b], non_blocking=True)
+            self.first_unsent = b
+        if self.unsent:
+            event = _QUEUE.event()
+            event.record(self.stream)
+            for check in self.unsent:
+                check.event = event
+            self.unsent = []
 
 
 class _Queue:
