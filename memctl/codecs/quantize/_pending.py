@@ -107,7 +107,10 @@ class _Slab:
         """``handle``: the stream's (0 for the tests' CPU stand-ins); ``flags``: one slot already
         taken (a flag not from :func:`flag_slot`), copied alone."""
         self.handle = handle
-        self.stream = torch.cuda.ExternalStream(handle, device=device) if device.type == "cuda" else None
+        # the current stream, whose handle is ``handle`` (not ExternalStream(handle): for the
+        # default stream, handle 0, that makes a new stream, and an event recorded there passed
+        # before the flags' copy had run: seen on an H200, exceptions lost)
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.flags = torch.zeros(SLAB, dtype=torch.int32, device=device) if flags is None else flags
         self.host = torch.zeros(self.flags.numel(), dtype=torch.int32, pin_memory=self.flags.is_cuda)
         self.next = 0 if flags is None else 1
