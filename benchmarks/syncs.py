@@ -15,8 +15,14 @@ host, ...); a Numba launch, an event's wait and anything outside PyTorch go unco
 times in a forward (the model's and PyTorch's waits are listed, not held against it). Without
 a GPU (``--device cpu``) the steps run and nothing is counted.
 
+``--ops`` also counts the aten ops one more step dispatches (a ``TorchDispatchMode``; views
+apart, as they launch nothing), each at its innermost memctl frame (``file:function``), and
+those outside memctl: on a GPU each op that is not a view is a kernel launch of ~10 µs of
+CPU, which is where a step bound by the CPU goes (the CPU's count is the CPU path's).
+
     python benchmarks/syncs.py --models cnn,transformer --policies plain,bits2,default
     python benchmarks/syncs.py --models resnet18,gpt2 --policies default --max-forward-waits 0
+    python benchmarks/syncs.py --models cnn --policies bits2 --ops
 """
 
 from __future__ import annotations
@@ -49,8 +55,40 @@ def _site(stack: list[traceback.FrameSummary]) -> str:
     return "?"
 
 
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "detach", "alias", "expand",
+    "permute", "t", "transpose", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "view_as",
+    "unflatten", "flatten", "narrow", "chunk", "_reshape_alias", "lift_fresh",
+})
+"""Ops that make a view (no kernel): not counted by ``--ops``."""
+
+
+def _op_site(stack: list[traceback.FrameSummary]) -> str:
+    for frame in reversed(stack):
+        if "/memctl/" in frame.filename and "/benchmarks/" not in frame.filename:
+            return f"memctl/{frame.filename.split('/memctl/')[-1]}:{frame.name}"
+    return "outside"
+
+
+def count_ops(step: Any) -> collections.Counter[str]:
+    """The aten ops (views apart) that ``step()`` dispatches, by innermost memctl frame."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket.__name__ not in _VIEWS:
+                counts[_op_site(traceback.extract_stack()[:-1])] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    return counts
+
+
 def run_child(model_name: str, policy: str, device: str, scale: int, warmup: int,
-              steps: int) -> dict[str, Any]:
+              steps: int, ops: bool = False) -> dict[str, Any]:
     sys.path.insert(0, HERE)
     import training
 
@@ -113,6 +151,9 @@ def run_child(model_name: str, policy: str, device: str, scale: int, warmup: int
     result = {"model": model_name, "policy": policy, "counted": cuda,
               "forward": dict(counts["forward"]), "rest": dict(counts["rest"]),
               "step_ms": statistics.median(times) * 1e3}
+    if ops:
+        result["ops"] = dict(count_ops(lambda: rest(forward(0))))
+        sync()
     if ctl is not None:
         s = ctl.stats()
         result["ratio"] = s["raw_bytes"] / max(s["packed_bytes"], 1)
@@ -129,10 +170,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-forward-waits", type=int, default=None)
+    parser.add_argument("--ops", action="store_true", help="count one step's aten ops by memctl call site")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "POLICY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(*args.child, args.device, args.scale, args.warmup, args.steps)))
+        print(json.dumps(run_child(*args.child, args.device, args.scale, args.warmup, args.steps, args.ops)))
         return
     policies = [p for p in args.policies.split(",") if p]
     unknown = sorted(set(policies) - set(POLICIES))
@@ -146,7 +188,7 @@ def main() -> None:
         for policy in policies:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", model, policy,
                    "--device", args.device, "--scale", str(args.scale), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps)]
+                   "--steps", str(args.steps), *(["--ops"] if args.ops else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{model:<12} {policy:<8} failed:\n{proc.stderr[-2000:]}")
@@ -162,6 +204,12 @@ def main() -> None:
             for phase in ("forward", "rest"):
                 for site, n in sorted(r[phase].items(), key=lambda kv: -kv[1])[:8]:
                     print(f"    {phase:<7} {n:4d}  {site}")
+            if "ops" in r:
+                inside = {k: v for k, v in r["ops"].items() if k != "outside"}
+                print(f"    aten ops in one step: {sum(inside.values())} inside memctl, "
+                      f"{r['ops'].get('outside', 0)} outside")
+                for site, n in sorted(inside.items(), key=lambda kv: -kv[1])[:12]:
+                    print(f"    ops     {n:4d}  {site}")
             if (args.max_forward_waits is not None and policy != "plain" and r["counted"]
                     and own > args.max_forward_waits):
                 print(f"    memctl waits {own} times in the forward, more than {args.max_forward_waits}")

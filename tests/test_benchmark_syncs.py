@@ -28,6 +28,28 @@ def test_the_table_prints_a_row_per_model_and_policy() -> None:
     assert "ratio -" in rows[0] and "ratio -" not in rows[1]
 
 
+def test_ops_are_counted_inside_memctl_and_outside() -> None:
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "syncs.py"), "--device", "cpu", "--models", "mlp",
+         "--policies", "plain,bits2", "--scale", "1", "--warmup", "1", "--steps", "1", "--ops"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = [line for line in proc.stdout.splitlines() if "aten ops in one step" in line]
+    assert len(counts) == 2
+    assert counts[0].split(":")[1].strip().startswith("0 inside memctl")  # plain: none of memctl's
+    inside = int(counts[1].split(":")[1].split()[0])
+    assert inside > 0 and "memctl/" in proc.stdout
+
+
+def test_views_are_not_counted() -> None:
+    import torch
+
+    x = torch.randn(4, 4)
+    counts = syncs.count_ops(lambda: (x.view(16), x.t(), x + 1))
+    assert sum(counts.values()) == 1 and counts["outside"] == 1
+
+
 def test_an_unknown_policy_is_named() -> None:
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "syncs.py"), "--policies", "bits3"],
                           capture_output=True, text=True, timeout=120)
