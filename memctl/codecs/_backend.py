@@ -55,8 +55,10 @@ def cuda() -> ModuleType:
         raise CudaUnavailableError(f"numba.cuda could not be imported ({exc}); {CUDA_EXTRA_HINT}") from exc
 
 
+@functools.cache
 def cuda_simulated() -> bool:
-    """True when Numba's CUDA simulator is active (see NOTE [ CUDA simulator ])."""
+    """True when Numba's CUDA simulator is active (see NOTE [ CUDA simulator ]); read once (Numba
+    reads ``NUMBA_ENABLE_CUDASIM`` when it is imported)."""
     try:
         from numba.cuda import config as cuda_config
     except Exception:  # pragma: no cover

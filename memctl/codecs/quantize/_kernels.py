@@ -262,15 +262,27 @@ def cuda_kernels() -> Any:
     return _quantize_cuda
 
 
+@functools.lru_cache(maxsize=64)
 def _team_kernels(bits: int, group: int) -> tuple[Any, Any] | None:
     """The warp-team ``(encode, decode)`` for ``group`` (NOTE [ Quantize CUDA kernels ]), or
-    None when a group is larger than one warp's tile and the block-per-group kernels run."""
+    None when a group is larger than one warp's tile and the block-per-group kernels run.
+    Looked up once per width and group (an encode or decode on a GPU is a few µs of Python
+    beside its kernel: each import and lookup here was one of them)."""
     _backend.cuda()
     from memctl.codecs.quantize import _cuda_teams
 
     if not _cuda_teams.uses_teams(group, bits):
         return None
     return _cuda_teams.team_kernels(bits, _cuda_teams.chunk_for(group, bits), _backend.cuda_simulated())
+
+
+@functools.lru_cache(maxsize=64)
+def _team_shape(group: int, bits: int) -> tuple[int, int, int, int]:
+    """``(groups per warp tile, warps per block, blocks per multiprocessor, threads per block)``."""
+    from memctl.codecs.quantize import _cuda_teams
+
+    per_tile = 32 // (group // _cuda_teams.chunk_for(group, bits))
+    return per_tile, _cuda_teams.WARPS_PER_BLOCK, _cuda_teams.BLOCKS_PER_SM, _cuda_teams.TEAM_TPB
 
 
 @functools.cache
@@ -283,12 +295,10 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _team_grid(ngroups: int, group: int, bits: int, device: torch.device) -> int:
     """Blocks for the team kernels: enough for every warp tile, at most one resident wave."""
-    from memctl.codecs.quantize import _cuda_teams
-
-    per_tile = 32 // (group // _cuda_teams.chunk_for(group, bits))
+    per_tile, warps, per_sm, _ = _team_shape(group, bits)
     tiles = -(-ngroups // per_tile)
-    blocks = -(-tiles // _cuda_teams.WARPS_PER_BLOCK)
-    return max(1, min(blocks, _multiprocessors(device) * _cuda_teams.BLOCKS_PER_SM))
+    blocks = -(-tiles // warps)
+    return max(1, min(blocks, _multiprocessors(device) * per_sm))
 
 
 def _configure(kernel: Any, grid: int, block: int, stream: Any) -> Any:
@@ -334,10 +344,8 @@ def encode_cuda(
         bad = torch.zeros(1, dtype=torch.int32, device=dev)
     teams = _team_kernels(bits, group)
     if teams is not None:
-        from memctl.codecs.quantize import _cuda_teams
-
         mask = _placeholder(dev) if positive is None else positive
-        _direct(teams[0])(_team_grid(ngroups, group, bits, dev), _cuda_teams.TEAM_TPB, dev,
+        _direct(teams[0])(_team_grid(ngroups, group, bits, dev), _team_shape(group, bits)[3], dev,
                           x, n, group, seed, meta, payload, bad, mask, positive is not None)
     else:
         k = cuda_kernels()
@@ -365,9 +373,7 @@ def decode_cuda(
     tail = (out, bits_arr, mask is not None, np.float32(floor))
     teams = _team_kernels(bits, group)
     if teams is not None:
-        from memctl.codecs.quantize import _cuda_teams
-
-        _direct(teams[1])(_team_grid(meta.shape[0], group, bits, dev), _cuda_teams.TEAM_TPB, dev,
+        _direct(teams[1])(_team_grid(meta.shape[0], group, bits, dev), _team_shape(group, bits)[3], dev,
                           payload, meta, n, group, *tail)
     else:
         k = cuda_kernels()
