@@ -88,8 +88,9 @@ class _Correction:
                  layer: str) -> None:
         self.factor = factor
         self.unit = unit
-        """``invstd²`` (or ``rstd²``): a record of the input itself holds its variance in the
-        input's units, ``x̂ₕ``'s is that times this."""
+        """``invstd`` (or ``rstd``), whose square converts: a record of the input itself holds its
+        variance in the input's units, ``x̂ₕ``'s is that times ``unit²`` (squared only for such
+        a record: a batch-norm chain's record holds ``x̂ₕ`` itself)."""
         self.weight = weight
         """A layer norm's weight, applied to ``g`` before its statistics (None: none or in ``factor``)."""
         self.layer = layer
@@ -104,14 +105,26 @@ class _Correction:
 
     def added(self, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
         """``w·invstd·g·Var(x̂ₕ)/M`` (a layer norm's ``rstd·w·g·Var(x̂ₕ)/D``), float32, in ``g``'s shape."""
-        factor = self.factor * self.unit if self.raw else self.factor
+        scaled, factor = self._parts(g, variance)
+        return scaled.mul_(factor)
+
+    def add_to(self, dx: torch.Tensor, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        """``dx`` plus :meth:`added`: for float32 in one fused op (a pass and a launch fewer)."""
+        scaled, factor = self._parts(g, variance)
+        if dx.dtype is torch.float32 and scaled.shape == dx.shape:
+            return torch.addcmul(dx, scaled, factor)
+        return dx + scaled.mul_(factor).to(dx.dtype)
+
+    def _parts(self, g: torch.Tensor, variance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g·Var`` per value (times a layer norm's weight), float32 in ``g``'s shape, and the factor
+        that multiplies it (broadcast)."""
+        factor = self.factor * self.unit.square() if self.raw else self.factor
         n, group, offset = g.numel(), self.group, self.offset
         if g.is_contiguous() and offset == 0 and n == variance.numel() * group:
-            out = g.reshape(-1, group).float() * variance[:, None]  # one pass, groups in place
-            out = out.view(g.shape).mul_(factor)
+            out = (g.reshape(-1, group).float() * variance[:, None]).view(g.shape)  # groups in place
         else:
-            out = variance.repeat_interleave(group)[offset:offset + n].reshape(g.shape).mul_(factor).mul_(g)
-        return out if self.weight is None else out.mul_(self.weight)
+            out = variance.repeat_interleave(group)[offset:offset + n].reshape(g.shape).mul_(g)
+        return (out, factor) if self.weight is None else (out.mul_(self.weight), factor)
 
 
 class NormReads:
@@ -186,7 +199,7 @@ class NormReads:
             if variance is None or dx is None or g is None:
                 return None
             try:
-                return (dx + correction.added(g, variance).to(dx.dtype), *grad_inputs[1:])
+                return (correction.add_to(dx, g, variance), *grad_inputs[1:])
             except Exception as exc:  # see NOTE [ Codec fallback ]
                 self._on_fallback(correction.layer, exc)
                 return None
@@ -206,7 +219,7 @@ def _batch_norm(node: Any, t: torch.Tensor, layer: str) -> _Correction | None:
     factor = invstd / (t.numel() // t.shape[1])
     if weight is not None:
         factor = factor * weight.detach().float()
-    return _Correction(factor.view(shape), invstd.square().view(shape), None, layer)
+    return _Correction(factor.view(shape), invstd.view(shape), None, layer)
 
 
 def _layer_norm(node: Any, t: torch.Tensor, layer: str) -> _Correction | None:
@@ -217,4 +230,4 @@ def _layer_norm(node: Any, t: torch.Tensor, layer: str) -> _Correction | None:
         return None
     rstd = rstd.detach().float()
     factor = rstd / math.prod(dims)
-    return _Correction(factor, rstd.square(), None if weight is None else weight.detach().float(), layer)
+    return _Correction(factor, rstd, None if weight is None else weight.detach().float(), layer)

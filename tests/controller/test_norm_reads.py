@@ -269,3 +269,25 @@ def test_the_correction_of_a_record_starting_inside_a_group_takes_its_groups_var
     g = torch.ones(2, 3)
     got = correction.added(g, variance)
     assert torch.equal(got.reshape(-1), torch.tensor([1.0, 10.0, 10.0, 10.0, 10.0, 100.0]))
+
+
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_correction_adds_what_added_gives(raw: bool, dtype: torch.dtype) -> None:
+    """``add_to`` (one fused op for float32) is ``dx + added(g, variance)``, raw records'
+    factor times the unit's square."""
+    gen = torch.Generator().manual_seed(1)
+    invstd = torch.rand(3, generator=gen) + 0.5
+    correction = norm_reads._Correction((invstd / 8).view(1, 3, 1, 1), invstd.view(1, 3, 1, 1), None, "layer")
+    correction.group, correction.raw = 4, raw
+    g = torch.randn(2, 3, 2, 2, generator=gen)
+    variance = torch.rand(6, generator=gen)
+    dx = torch.randn(2, 3, 2, 2, generator=gen).to(dtype)
+    want = dx.float() + correction.added(g, variance)
+    got = correction.add_to(dx, g, variance)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=1e-2 if dtype is torch.bfloat16 else 1e-6,
+                               atol=1e-2 if dtype is torch.bfloat16 else 1e-6)
+    per_value = variance.repeat_interleave(4).view(2, 3, 2, 2)
+    factor = invstd.view(1, 3, 1, 1) / 8 * (invstd.view(1, 3, 1, 1) ** 2 if raw else 1)
+    torch.testing.assert_close(correction.added(g, variance), g * per_value * factor)
