@@ -75,9 +75,8 @@ def first_offset(data: Any) -> int:
 def group_variance(data: Any) -> torch.Tensor:
     """``Δ²/6`` per group of a quantize record (its group's step ``Δ``), float32."""
     meta = data.buffers["meta"]
-    bits = int(data.params["bits"])
-    step = (meta[:, 1] - meta[:, 0]) / float((1 << bits) - 1)
-    return step.square_().div_(6.0)
+    big = float((1 << int(data.params["bits"])) - 1)
+    return (meta[:, 1] - meta[:, 0]).square_().mul_(1.0 / (6.0 * big * big))  # three ops (a GPU's launches)
 
 
 def rounding_variance(data: Any) -> torch.Tensor:
