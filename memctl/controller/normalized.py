@@ -180,15 +180,22 @@ class Chain:
         op = _AFTER.get(self.after) if self.after is not None else None
         z_dtype, t_dtype = z.dtype, t.dtype
         flat = [v.reshape(-1) for v in stats]
-        zero, std = torch.zeros_like(flat[0]), 1.0 / flat[1]
+        # the fused channel passes' vectors (NOTE [ Fused channel passes ]: CPU kernels); none
+        # off the CPU, where they would be two launches a chain and a step for nothing
+        zero, std = (torch.zeros_like(flat[0]), flat[1].reciprocal()) if _fused_on(flat[0]) else (None, None)
 
         def normalise(v: torch.Tensor) -> torch.Tensor:
-            fast = channels.affine(v, flat[0], flat[1], zero)  # NOTE [ Fused channel passes ]
+            fast = None if zero is None else channels.affine(v, flat[0], flat[1], zero)
             return fast if fast is not None else (v.to(mean.dtype) - mean).mul_(invstd)
 
         source = _Source(mean, invstd, flat[0], std, zero, z_dtype)
         output = _Output(flat[3], flat[2], zero, t_dtype, op)
         return normalise, source, output
+
+
+def _fused_on(t: torch.Tensor) -> bool:
+    """Whether the fused channel passes (CPU kernels) can run on ``t``'s device."""
+    return t.is_cpu
 
 
 class _Source:
@@ -197,13 +204,13 @@ class _Source:
     normalised = True
     """Its record holds the batch norm's normalised input (NOTE [ A batch norm's input read twice ])."""
 
-    def __init__(self, mean: torch.Tensor, invstd: torch.Tensor, flat_mean: torch.Tensor, std: torch.Tensor,
-                 zero: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, mean: torch.Tensor, invstd: torch.Tensor, flat_mean: torch.Tensor,
+                 std: torch.Tensor | None, zero: torch.Tensor | None, dtype: torch.dtype) -> None:
         self._mean, self._invstd, self._flat_mean, self._std = mean, invstd, flat_mean, std
         self._zero, self._dtype = zero, dtype
 
     def __call__(self, n: torch.Tensor) -> torch.Tensor:
-        if self._dtype == torch.float32:
+        if self._dtype == torch.float32 and self._zero is not None and self._std is not None:
             fast = channels.affine(n, self._zero, self._std, self._flat_mean)
             if fast is not None:
                 return fast
@@ -212,7 +219,7 @@ class _Source:
     def channel_map(self, masked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(sub, scale, shift)`` of :func:`channels.affine` that :meth:`__call__` applies, where a
         decode can apply it itself (NOTE [ Fused channel passes ]); None otherwise."""
-        if masked or self._dtype != torch.float32:
+        if masked or self._dtype != torch.float32 or self._zero is None or self._std is None:
             return None
         return self._zero, self._std, self._flat_mean
 
@@ -221,7 +228,7 @@ class _Output:
     """``t`` from ``n``: ``after(weight·n + bias)`` (NOTE [ Batch-norm outputs ... ]); :meth:`masked` also
     applies a ReLU result's region projection in the same pass (NOTE [ Fused channel passes ])."""
 
-    def __init__(self, beta: torch.Tensor, gamma: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype,
+    def __init__(self, beta: torch.Tensor, gamma: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype,
                  op: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         self._beta, self._gamma, self._zero, self._dtype, self._op = beta, gamma, zero, dtype, op
 
@@ -233,7 +240,7 @@ class _Output:
 
     def linear(self, n: torch.Tensor) -> torch.Tensor:
         """``weight·n + bias`` in ``t``'s dtype: ``t`` before the op after the batch norm (a new tensor)."""
-        if self._dtype == torch.float32:
+        if self._dtype == torch.float32 and self._zero is not None:
             fast = channels.affine(n, self._zero, self._gamma, self._beta)
             if fast is not None:
                 return fast
@@ -245,14 +252,14 @@ class _Output:
         """``(sub, scale, shift)`` of :func:`channels.affine` that :meth:`__call__` (or, ``masked``,
         :meth:`masked`) applies, where a decode can apply it itself (NOTE [ Fused channel
         passes ]); None otherwise."""
-        if self._dtype != torch.float32 or (self._op is not None and not masked):
+        if self._dtype != torch.float32 or (self._op is not None and not masked) or self._zero is None:
             return None
         return self._zero, self._gamma, self._beta
 
     def masked(self, n: torch.Tensor, mask: torch.Tensor, floor: float) -> torch.Tensor | None:
         """ReLU's region projection of ``self(n)`` under the packed ``mask``; None where the fused
         kernel does not apply (the caller projects ``self(n)`` itself)."""
-        if self._dtype != torch.float32:
+        if self._dtype != torch.float32 or self._zero is None:
             return None
         return channels.affine(n, self._zero, self._gamma, self._beta, mask=mask, floor=floor)
 

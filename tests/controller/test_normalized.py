@@ -234,6 +234,31 @@ def test_chain_functions_rebuild_the_input_and_the_output(shape: tuple[int, ...]
         torch.testing.assert_close(n.mean(1), torch.zeros(3), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("after", ["none", "relu"])
+def test_chain_functions_off_the_cpu_use_no_fused_pass(after: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fused channel passes (CPU kernels) cannot run, the chain builds no vectors for them
+    (two launches a chain and step on a GPU) and offers no channel map; its functions rebuild the
+    input and the output all the same, by PyTorch ops."""
+    monkeypatch.setattr(normalized, "_fused_on", lambda t: False)
+    g = torch.Generator().manual_seed(3)
+    bn = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(3, generator=g) + 0.5)
+        bn.bias.copy_(torch.randn(3, generator=g))
+    z = (torch.randn(2, 3, 4, 4, generator=g) * 3.0 + 1.0).requires_grad_(True) * 1.0
+    x = bn(z)
+    t = torch.relu(x) if after == "relu" else x
+    chain = normalized.chain_of(t)
+    assert chain is not None
+    fns = chain.functions(z.detach(), t)
+    assert fns is not None
+    normalise, z_of, t_of = fns
+    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
+    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    assert z_of.channel_map(False) is None and t_of.channel_map(True) is None
+    assert t_of.masked(normalise(z.detach()), torch.zeros(12, dtype=torch.uint8), 0.0) is None
+
+
 class _Deep(nn.Module):
     """A late block of a small-input CNN: 2x2 positions, so a quantisation group spans 64 channels, whose
     scales differ by 1000x before the batch norm."""
