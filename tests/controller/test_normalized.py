@@ -195,6 +195,18 @@ def test_output_of_an_op_reading_node_fields_while_packing_is_still_derived(
     assert isinstance(y.data, Derived)
 
 
+def _rebuilding(z: torch.Tensor, t: torch.Tensor) -> tuple[Any, Any, Any]:
+    """The functions of the chain ending at ``t``, checked to rebuild ``t`` and its input ``z``."""
+    chain = normalized.chain_of(t)
+    assert chain is not None
+    fns = chain.functions(z.detach(), t)
+    assert fns is not None
+    normalise, z_of, t_of = fns
+    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
+    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    return normalise, z_of, t_of
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     shape=st.sampled_from([(4, 3), (2, 3, 5), (2, 3, 4, 4), (1, 3, 2, 2, 2)]),
@@ -222,13 +234,7 @@ def test_chain_functions_rebuild_the_input_and_the_output(shape: tuple[int, ...]
     ops = {"none": lambda: x, "clone": x.clone, "relu": lambda: torch.relu(x),
            "relu_": lambda: torch.relu_(x)}
     t = ops[after]()
-    chain = normalized.chain_of(t)
-    assert chain is not None
-    fns = chain.functions(z.detach(), t)
-    assert fns is not None
-    normalise, z_of, t_of = fns
-    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
-    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    normalise = _rebuilding(z, t)[0]
     if training:  # the normalised coordinates have each channel's batch mean 0 and variance 1
         n = normalise(z.detach()).transpose(0, 1).reshape(3, -1)
         torch.testing.assert_close(n.mean(1), torch.zeros(3), atol=1e-4, rtol=0)
@@ -248,13 +254,7 @@ def test_chain_functions_off_the_cpu_use_no_fused_pass(after: str, monkeypatch: 
     z = (torch.randn(2, 3, 4, 4, generator=g) * 3.0 + 1.0).requires_grad_(True) * 1.0
     x = bn(z)
     t = torch.relu(x) if after == "relu" else x
-    chain = normalized.chain_of(t)
-    assert chain is not None
-    fns = chain.functions(z.detach(), t)
-    assert fns is not None
-    normalise, z_of, t_of = fns
-    assert normalized.verified(lambda v: t_of(normalise(v)), z.detach(), t)
-    assert normalized.verified(lambda v: z_of(normalise(v)), z.detach(), z.detach())
+    normalise, z_of, t_of = _rebuilding(z, t)
     assert z_of.channel_map(False) is None and t_of.channel_map(True) is None
     assert t_of.masked(normalise(z.detach()), torch.zeros(12, dtype=torch.uint8), 0.0) is None
 
