@@ -15,9 +15,14 @@ NOTE [ What is compressed ]
 - Other float tensors saved outside the model's forward (the loss) are copied, not
   compressed: they are small (``compress_outside`` changes this).
 - Every other float tensor is compressed at its layer's bits (or error bound).
-A copy is always taken: with saved-tensor hooks active, autograd no longer detects
-in-place modification of a saved tensor, so keeping the original object would give
-silently wrong gradients after an in-place op (docs/design.md, "Pack: what is compressed").
+With saved-tensor hooks active, autograd no longer detects in-place modification of a
+saved tensor, so keeping the original object unchecked would give silently wrong gradients
+after an in-place op (docs/design.md, "Pack: what is compressed"). A tensor kept as it is
+either is a copy (outside the forward, an exact op's) or, below ``min_numel``, is the
+tensor itself (detached: it shares the version counter), whose unpack compares its version
+with the one it had when saved and raises autograd's in-place error as PyTorch would (NOTE
+[ In-place checks ]). Until 2026-11-27 those were copied too: a launch each on a GPU (a
+batch norm's mean and inverse standard deviation, two a batch norm and step).
 
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
@@ -282,12 +287,14 @@ class Saved:
 
 
 class _Held:
-    """A strong reference called like a weak one (``Saved.source`` of a record kept as it is now)."""
+    """A strong reference called like a weak one (``Saved.source`` of a record kept as it is now);
+    ``node``: the name and output number of the op that made the tensor, for the in-place error."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("node", "tensor")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, node: tuple[str, int] | None = None) -> None:
         self.tensor = tensor
+        self.node = node
 
     def __call__(self) -> torch.Tensor:
         return self.tensor
@@ -311,7 +318,9 @@ def _keep_changed(saved: Saved, source: torch.Tensor) -> None:
     """``saved`` holds ``source`` as it is now, changed in place after it was saved: its unpack
     raises autograd's error (NOTE [ In-place checks ]) however long the tensor lives."""
     held = source.detach()  # (shares the version counter)
-    saved.data, saved.source = held, _Held(held)
+    node = source.grad_fn
+    op = None if node is None else (node.name(), int(source.output_nr))
+    saved.data, saved.source = held, _Held(held, op)
 
 
 class _Queued:
@@ -652,7 +661,13 @@ class Packer:
         except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             saved = Saved(t.detach().clone(), t)
-        saved.source, saved.version, saved.owner = weakref.ref(t), version, self._micro
+        data = saved.data
+        if type(data) is torch.Tensor and ptr != 0 and data.untyped_storage().data_ptr() == ptr:
+            # held as it is: its version checked however long ``t`` lives
+            saved.source = _Held(data, None if node is None else (node.name(), int(t.output_nr)))
+        else:
+            saved.source = weakref.ref(t)
+        saved.version, saved.owner = version, self._micro
         self._seen[key] = self._micro.track(saved)
         if saved.layer is not None:
             self._regions.note(t, saved, saved.layer, node)
@@ -905,7 +920,7 @@ class Packer:
             data = saved.data
         source = saved.source() if saved.source is not None else None
         if source is not None and source._version != saved.version:
-            check_version(source, saved.version)
+            check_version(source, saved.version, getattr(saved.source, "node", None))
         if isinstance(data, torch.Tensor):
             return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
@@ -1104,7 +1119,9 @@ class Packer:
         if exact or numel < config.min_numel:
             rec.fixed_bytes += nbytes
             rec.packed_bytes += nbytes
-            return Saved(t.detach().clone(), t)
+            # a small tensor is held as it is (its unpack checks its version: NOTE [ In-place
+            # checks ]); a copy was a launch a tensor on a GPU (a batch norm's mean and invstd)
+            return Saved(t.detach() if not exact else t.detach().clone(), t)
         rec.numels.append(numel)
         rec.element_size = t.element_size()
         part = result_partition(node)

@@ -44,8 +44,9 @@ class SavedRef:
         return self.tensor
 
 
-def check_version(tensor: torch.Tensor, saved_version: int) -> None:
-    """Raise autograd's in-place error if ``tensor`` changed since it was saved."""
+def check_version(tensor: torch.Tensor, saved_version: int, node: tuple[str, int] | None = None) -> None:
+    """Raise autograd's in-place error if ``tensor`` changed since it was saved; ``node``: the name
+    and output number of the op that made it, for a detached ``tensor`` (autograd names the op)."""
     current = tensor._version
     if current == saved_version:
         return
@@ -53,8 +54,10 @@ def check_version(tensor: torch.Tensor, saved_version: int) -> None:
     grad_fn = tensor.grad_fn
     which = ""
     if grad_fn is not None:
-        name = grad_fn.name() if suffix else _BACKWARD.sub("", grad_fn.name())
-        which = f", which is output {tensor.output_nr} of {name},"
+        node = (grad_fn.name(), int(tensor.output_nr))
+    if node is not None:
+        name = node[0] if suffix else _BACKWARD.sub("", node[0])
+        which = f", which is output {node[1]} of {name},"
     hint = hints[torch.is_anomaly_enabled()]
     raise RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace "

@@ -341,6 +341,62 @@ def test_activation_modified_in_place_raises_like_plain_pytorch() -> None:
     assert _activation_modified(attached=True) == plain
 
 
+class _SmallSave(nn.Module):
+    """Saves a small tensor (exp saves its output) inside the forward and returns a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).exp().view(-1)
+
+
+def _small_modified(attached: bool, through_a_view: bool) -> str:
+    torch.manual_seed(0)
+    model = _SmallSave()
+    ctl = _controller(model)[0] if attached else None  # min_numel 64: the 8 values are kept as they are
+    try:
+        out = model(torch.randn(2, 4))
+        loss = out.sum()
+        if through_a_view:
+            view = out[2:]  # the saved tensor's Python object goes; its storage lives in the view
+            del out
+            with torch.no_grad():
+                view.mul_(2.0)
+        else:
+            with torch.no_grad():
+                out.mul_(2.0)
+        return _inplace_error(loss.backward)
+    finally:
+        if ctl is not None:
+            ctl.detach()
+
+
+@pytest.mark.parametrize("through_a_view", [False, True])
+def test_a_small_tensor_kept_as_it_is_raises_like_plain_pytorch(through_a_view: bool) -> None:
+    """A tensor below ``min_numel`` is held as it is, not copied (NOTE [ What is compressed ]): a
+    change in place before the backward raises autograd's error, as without memctl, also when
+    only a view of it is left to change it."""
+    plain = _small_modified(attached=False, through_a_view=through_a_view)
+    assert _small_modified(attached=True, through_a_view=through_a_view) == plain
+
+
+def test_a_small_tensor_kept_as_it_is_is_not_copied() -> None:
+    torch.manual_seed(0)
+    model = _SmallSave()
+    ctl = _controller(model)[0]
+    try:
+        out = model(torch.randn(2, 4))
+        exp = out.grad_fn.next_functions[0][0]
+        assert type(exp).__name__ == "ExpBackward0"
+        kept = exp._saved_result  # through memctl's unpack hook
+        assert kept.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        out.sum().backward()
+    finally:
+        ctl.detach()
+
+
 def test_no_false_inplace_errors_with_inplace_relu_and_batchnorm() -> None:
     torch.manual_seed(0)
     model = CNN()
