@@ -8,11 +8,13 @@ in ``tests/monitor/test_shutdown.py``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -319,20 +321,27 @@ def test_backward_twice_across_an_optimizer_step_raises_like_plain_pytorch() -> 
     assert _backward_across_step(attached=True) == _backward_across_step(attached=False)
 
 
+@contextlib.contextmanager
+def _maybe_attached(model: nn.Module, attached: bool) -> Iterator[None]:
+    """A controller on ``model`` for the block when ``attached`` (detached after it), else none."""
+    ctl = _controller(model)[0] if attached else None
+    try:
+        yield
+    finally:
+        if ctl is not None:
+            ctl.detach()
+
+
 def _activation_modified(attached: bool) -> str:
     torch.manual_seed(0)
     model = MLP()
-    ctl = _controller(model)[0] if attached else None
-    try:
+    with _maybe_attached(model, attached):
         x, _ = batch_for(model, n=32)
         e = model(x).exp()  # exp saves its output
         loss = e.sum()
         with torch.no_grad():
             e.mul_(2.0)
         return _inplace_error(loss.backward)
-    finally:
-        if ctl is not None:
-            ctl.detach()
 
 
 def test_activation_modified_in_place_raises_like_plain_pytorch() -> None:
@@ -355,8 +364,7 @@ class _SmallSave(nn.Module):
 def _small_modified(attached: bool, through_a_view: bool) -> str:
     torch.manual_seed(0)
     model = _SmallSave()
-    ctl = _controller(model)[0] if attached else None  # min_numel 64: the 8 values are kept as they are
-    try:
+    with _maybe_attached(model, attached):  # min_numel 64: the 8 values are kept as they are
         out = model(torch.randn(2, 4))
         loss = out.sum()
         if through_a_view:
@@ -368,9 +376,6 @@ def _small_modified(attached: bool, through_a_view: bool) -> str:
             with torch.no_grad():
                 out.mul_(2.0)
         return _inplace_error(loss.backward)
-    finally:
-        if ctl is not None:
-            ctl.detach()
 
 
 @pytest.mark.parametrize("through_a_view", [False, True])
