@@ -18,11 +18,12 @@ NOTE [ What is compressed ]
 With saved-tensor hooks active, autograd no longer detects in-place modification of a
 saved tensor, so keeping the original object unchecked would give silently wrong gradients
 after an in-place op (docs/design.md, "Pack: what is compressed"). A tensor kept as it is
-either is a copy (outside the forward, an exact op's) or, below ``min_numel``, is the
-tensor itself (detached: it shares the version counter), whose unpack compares its version
-with the one it had when saved and raises autograd's in-place error as PyTorch would (NOTE
-[ In-place checks ]). Until 2026-11-27 those were copied too: a launch each on a GPU (a
-batch norm's mean and inverse standard deviation, two a batch norm and step).
+either is a copy (outside the forward, an exact op's) or is the tensor itself (detached:
+it shares the version counter; below ``min_numel``, a layer at "keep", a floor that keeps
+it exact), whose unpack compares its version with the one it had when saved and raises
+autograd's in-place error as PyTorch would (NOTE [ In-place checks ]). Until 2026-11-27
+those were copied too: a launch each on a GPU (a batch norm's mean and inverse standard
+deviation, two a batch norm and step; a LayerNorm's row statistics), and the memory twice.
 
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
@@ -1136,10 +1137,10 @@ class Packer:
                 if derived is not None:
                     return derived
             return self._at_floor(t, floor, layer, rec)  # NOTE [ Bit floors ]
-        if bits >= KEEP_BITS:
+        if bits >= KEEP_BITS:  # held as it is, version-checked (NOTE [ What is compressed ])
             rec.bit_values += 8 * nbytes
             rec.packed_bytes += nbytes
-            return Saved(t.detach().clone(), t, layer=layer)
+            return Saved(t.detach(), t, layer=layer)
         # NOTE [ Walks that find nothing ] in walks.py: the derived records' checks as well,
         # unless an op's output or a module's expression is on offer in this forward
         if self._derivations.walking or self._offered or self._regions.outputs:
@@ -1320,7 +1321,7 @@ class Packer:
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
-            p: Packed | torch.Tensor = t.detach().clone() if bits >= KEEP_BITS else \
+            p: Packed | torch.Tensor = t.detach() if bits >= KEEP_BITS else \
                 self._codec("quantize").encode(t.detach(), bits=bits, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
@@ -1351,13 +1352,16 @@ class Packer:
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
-            new: Packed | torch.Tensor = source.detach().clone() if found.bits is None else \
+            new: Packed | torch.Tensor = source.detach() if found.bits is None else \
                 self._codec("quantize").encode(source.detach(), bits=found.bits, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: the record stays as it is
             self._on_fallback(found.layer, exc)
             return
         self.timings.observe_encode(time.perf_counter() - start)
         saved.data = new
+        if isinstance(new, torch.Tensor):  # held as it is: its version checked however long ``source`` lives
+            node = source.grad_fn
+            saved.source = _Held(new, None if node is None else (node.name(), int(source.output_nr)))
         nbytes = new.nbytes if isinstance(new, Packed) else source.numel() * source.element_size()
         rec = self.record(found.layer)
         rec.packed_bytes += nbytes - old.nbytes

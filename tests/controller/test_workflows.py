@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from torch import nn
 
 import memctl
+from memctl.controller.config import KEEP_BITS
 from memctl.controller.copysafe import ControllerHook
 from memctl.controller.packing import Saved
 from memctl.errors import ConfigError
@@ -322,9 +323,12 @@ def test_backward_twice_across_an_optimizer_step_raises_like_plain_pytorch() -> 
 
 
 @contextlib.contextmanager
-def _maybe_attached(model: nn.Module, attached: bool) -> Iterator[None]:
-    """A controller on ``model`` for the block when ``attached`` (detached after it), else none."""
+def _maybe_attached(model: nn.Module, attached: bool, keep: bool = False) -> Iterator[None]:
+    """A controller on ``model`` for the block when ``attached`` (detached after it), else none;
+    ``keep``: every layer at "keep" (KEEP_BITS, uncompressed)."""
     ctl = _controller(model)[0] if attached else None
+    if ctl is not None and keep:
+        ctl._packer._choice_for = lambda layer: (KEEP_BITS, None)
     try:
         yield
     finally:
@@ -400,6 +404,38 @@ def test_a_small_tensor_kept_as_it_is_is_not_copied() -> None:
         out.sum().backward()
     finally:
         ctl.detach()
+
+
+class _ExpLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).exp()
+
+
+def _kept_layer_modified(attached: bool) -> str:
+    torch.manual_seed(0)
+    model = _ExpLayer()
+    with _maybe_attached(model, attached, keep=True):
+        out = model(torch.randn(64, 64))
+        loss = out.sum()
+        with torch.no_grad():
+            out.mul_(2.0)
+        return _inplace_error(loss.backward)
+
+
+def test_a_layer_kept_uncompressed_holds_its_tensors_as_they_are() -> None:
+    """A layer at "keep" (KEEP_BITS) holds its saved tensors themselves, not copies (no memory
+    twice), version-checked: a change in place raises autograd's error as without memctl."""
+    torch.manual_seed(0)
+    model = _ExpLayer()
+    with _maybe_attached(model, True, keep=True):
+        out = model(torch.randn(64, 64))
+        assert out.grad_fn._saved_result.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        out.sum().backward()
+    assert _kept_layer_modified(attached=True) == _kept_layer_modified(attached=False)
 
 
 def test_no_false_inplace_errors_with_inplace_relu_and_batchnorm() -> None:
