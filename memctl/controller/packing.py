@@ -315,6 +315,11 @@ _Handle = Saved | SavedRef | Alias | torch.Tensor
 """What :meth:`Packer.pack` makes of a tensor, once packed."""
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (its local shard's for a DTensor), as ``Packer.pack`` reads it."""
+    return int((t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr())
+
+
 def _keep_changed(saved: Saved, source: torch.Tensor) -> None:
     """``saved`` holds ``source`` as it is now, changed in place after it was saved: its unpack
     raises autograd's error (NOTE [ In-place checks ]) however long the tensor lives."""
@@ -663,7 +668,7 @@ class Packer:
             self._on_fallback(layer, exc)
             saved = Saved(t.detach().clone(), t)
         data = saved.data
-        if type(data) is torch.Tensor and ptr != 0 and data.untyped_storage().data_ptr() == ptr:
+        if isinstance(data, torch.Tensor) and ptr != 0 and _storage_ptr(data) == ptr:
             # held as it is: its version checked however long ``t`` lives
             saved.source = _Held(data, None if node is None else (node.name(), int(t.output_nr)))
         else:
