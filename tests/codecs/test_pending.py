@@ -145,34 +145,44 @@ class _Recorded(_Event):
         self.recorded = True
 
 
-def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Flag slots from one slab: one copy (one event) per FLUSH_EVERY checks; a wait on a check
-    whose slot has not travelled sends it first; a set flag lists the exceptions; every slot
-    is zero again when the slab comes round."""
-    events: list[_Recorded] = []
+@pytest.fixture()
+def events(monkeypatch: pytest.MonkeyPatch) -> list[_Recorded]:
+    """Fresh flag slabs whose copies record stand-in events, listed as they are made."""
+    made: list[_Recorded] = []
 
     def event() -> _Recorded:
-        events.append(_Recorded())
-        return events[-1]
+        made.append(_Recorded())
+        return made[-1]
 
     monkeypatch.setattr(_pending._QUEUE, "event", event)
     monkeypatch.setattr(_pending._QUEUE, "_slabs", {})
     monkeypatch.setattr(_pending._QUEUE, "_taken", {})
-    codec = QuantizeCodec()
+    return made
+
+
+def _slab_record(codec: QuantizeCodec, x: torch.Tensor, seed: int, flagged: bool) -> _pending.PendingBuffers:
+    """``x``'s CPU record whose check waits for a slab's flag slot, set when ``flagged`` (what the
+    encode kernel writes when its input holds a non-finite value), zero before that."""
     cpu = torch.device("cpu")
+    flag = _pending.flag_slot(cpu)
+    assert flag.item() == 0  # zeroed, the slab's later rounds too
+    if flagged:
+        flag += 1
+    record = codec.encode(x, bits=2, seed=seed)
+    empty = codec._no_exceptions(cpu)
+    buffers = dict(record.buffers, exc_index=empty[0], exc_value=empty[1])
+    return _pending.pend(buffers, _source_exceptions, x, flag)
+
+
+def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(events: list[_Recorded]) -> None:
+    """Flag slots from one slab: one copy (one event) per FLUSH_EVERY checks; a wait on a check
+    whose slot has not travelled sends it first; a set flag lists the exceptions; every slot
+    is zero again when the slab comes round."""
+    codec = QuantizeCodec()
     records = []
     for i in range(_pending.SLAB + 3):
         x = _data(200 + i, bad=i % 5 == 0)
-        flag = _pending.flag_slot(cpu)
-        assert flag.item() == 0  # zeroed, the slab's second round too
-        if i % 5 == 0:
-            flag += 1  # what the encode kernel writes when its input holds a non-finite value
-        record = codec.encode(x, bits=2, seed=i)
-        empty = codec._no_exceptions(cpu)
-        buffers = dict(record.buffers, exc_index=empty[0], exc_value=empty[1])
-        pending = _pending.pend(buffers, _source_exceptions, x, flag)
-        records.append((x, pending))
+        records.append((x, _slab_record(codec, x, i, flagged=i % 5 == 0)))
         for e in events:
             e.passed = True  # the GPU has run everything queued
         assert _pending.waiting() <= _pending.MOST_WAITING
@@ -191,31 +201,15 @@ def test_a_slabs_flags_travel_together_and_the_slab_comes_round_zeroed(
 
 
 def test_a_slot_sent_by_a_wait_for_room_before_its_check_is_queued_still_settles(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        events: list[_Recorded], monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for one check, each encode's wait for room sends the slab (its own slot too,
     taken before its check is queued); every check still gets an event and settles."""
-    events: list[_Recorded] = []
-
-    def event() -> _Recorded:
-        events.append(_Recorded())
-        return events[-1]
-
     monkeypatch.setattr(_pending, "MOST_WAITING", 1)
-    monkeypatch.setattr(_pending._QUEUE, "event", event)
-    monkeypatch.setattr(_pending._QUEUE, "_slabs", {})
-    monkeypatch.setattr(_pending._QUEUE, "_taken", {})
     codec = QuantizeCodec()
-    cpu = torch.device("cpu")
     pendings = []
     for i in range(6):
         x = _data(300 + i, bad=i == 3)
-        flag = _pending.flag_slot(cpu)
-        if i == 3:
-            flag += 1
-        record = codec.encode(x, bits=2, seed=i)
-        empty = codec._no_exceptions(cpu)
-        pendings.append(_pending.pend(dict(record.buffers, exc_index=empty[0], exc_value=empty[1]),
-                                      _source_exceptions, x, flag))
+        pendings.append(_slab_record(codec, x, i, flagged=i == 3))
         assert _pending.waiting() <= 1
     _pending.settle()
     assert _pending.waiting() == 0
