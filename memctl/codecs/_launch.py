@@ -56,13 +56,12 @@ class DirectLaunch:
         self.name = name
         self._configure = configure
         self.broken = False
-        self._simulated = _backend.cuda_simulated()  # (fixed for the process: read once, not per launch)
         self._compiled: dict[tuple[Any, ...], tuple[Any, tuple[_Setter, ...]]] = {}
         self._functions: dict[tuple[int, int], Any] = {}
 
     def __call__(self, grid: int, block: int, device: torch.device, *args: Any) -> None:
         """Run the kernel on PyTorch's current stream of ``device`` with ``args`` (tensors and scalars)."""
-        if self.broken or device.type != "cuda" or self._simulated:
+        if self.broken or device.type != "cuda" or _backend.cuda_simulated():  # (read once, cached)
             self._usual(grid, block, device, args)
             return
         key = _signature(args)

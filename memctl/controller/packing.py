@@ -320,13 +320,18 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return int((t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr())
 
 
+def _op_of(t: torch.Tensor) -> tuple[str, int] | None:
+    """The name of the op that made ``t`` and ``t``'s output number, for the in-place error of a
+    record holding ``t`` detached (NOTE [ In-place checks ]); None for a leaf."""
+    node = t.grad_fn
+    return None if node is None else (node.name(), int(t.output_nr))
+
+
 def _keep_changed(saved: Saved, source: torch.Tensor) -> None:
     """``saved`` holds ``source`` as it is now, changed in place after it was saved: its unpack
     raises autograd's error (NOTE [ In-place checks ]) however long the tensor lives."""
     held = source.detach()  # (shares the version counter)
-    node = source.grad_fn
-    op = None if node is None else (node.name(), int(source.output_nr))
-    saved.data, saved.source = held, _Held(held, op)
+    saved.data, saved.source = held, _Held(held, _op_of(source))
 
 
 class _Queued:
@@ -670,7 +675,7 @@ class Packer:
         data = saved.data
         if isinstance(data, torch.Tensor) and ptr != 0 and _storage_ptr(data) == ptr:
             # held as it is: its version checked however long ``t`` lives
-            saved.source = _Held(data, None if node is None else (node.name(), int(t.output_nr)))
+            saved.source = _Held(data, _op_of(t))
         else:
             saved.source = weakref.ref(t)
         saved.version, saved.owner = version, self._micro
@@ -1365,8 +1370,7 @@ class Packer:
         self.timings.observe_encode(time.perf_counter() - start)
         saved.data = new
         if isinstance(new, torch.Tensor):  # held as it is: its version checked however long ``source`` lives
-            node = source.grad_fn
-            saved.source = _Held(new, None if node is None else (node.name(), int(source.output_nr)))
+            saved.source = _Held(new, _op_of(source))
         nbytes = new.nbytes if isinstance(new, Packed) else source.numel() * source.element_size()
         rec = self.record(found.layer)
         rec.packed_bytes += nbytes - old.nbytes
