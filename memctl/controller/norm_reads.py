@@ -103,13 +103,9 @@ class _Correction:
         self.raw = False
         """Whether that read's record holds the input itself (else its normalised values)."""
 
-    def added(self, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
-        """``w·invstd·g·Var(x̂ₕ)/M`` (a layer norm's ``rstd·w·g·Var(x̂ₕ)/D``), float32, in ``g``'s shape."""
-        scaled, factor = self._parts(g, variance)
-        return scaled.mul_(factor)
-
     def add_to(self, dx: torch.Tensor, g: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
-        """``dx`` plus :meth:`added`: for float32 in one fused op (a pass and a launch fewer)."""
+        """``dx`` plus ``w·invstd·g·Var(x̂ₕ)/M`` (a layer norm's ``rstd·w·g·Var(x̂ₕ)/D``): for float32
+        in one fused op (a pass and a launch fewer)."""
         scaled, factor = self._parts(g, variance)
         if dx.dtype is torch.float32 and scaled.shape == dx.shape:
             return torch.addcmul(dx, scaled, factor)

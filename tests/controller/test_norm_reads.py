@@ -267,14 +267,14 @@ def test_the_correction_of_a_record_starting_inside_a_group_takes_its_groups_var
     correction.group, correction.offset = 4, 3
     variance = torch.tensor([1.0, 10.0, 100.0])
     g = torch.ones(2, 3)
-    got = correction.added(g, variance)
+    got = correction.add_to(torch.zeros(2, 3), g, variance)
     assert torch.equal(got.reshape(-1), torch.tensor([1.0, 10.0, 10.0, 10.0, 10.0, 100.0]))
 
 
 @pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_correction_adds_what_added_gives(raw: bool, dtype: torch.dtype) -> None:
-    """``add_to`` (one fused op for float32) is ``dx + added(g, variance)``, raw records'
+def test_the_fused_correction_adds_the_correction_term(raw: bool, dtype: torch.dtype) -> None:
+    """``add_to`` (one fused op for float32) is ``dx`` plus ``factor·g·Var``, raw records'
     factor times the unit's square."""
     gen = torch.Generator().manual_seed(1)
     invstd = torch.rand(3, generator=gen) + 0.5
@@ -283,11 +283,11 @@ def test_the_fused_correction_adds_what_added_gives(raw: bool, dtype: torch.dtyp
     g = torch.randn(2, 3, 2, 2, generator=gen)
     variance = torch.rand(6, generator=gen)
     dx = torch.randn(2, 3, 2, 2, generator=gen).to(dtype)
-    want = dx.float() + correction.added(g, variance)
-    got = correction.add_to(dx, g, variance)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, rtol=1e-2 if dtype is torch.bfloat16 else 1e-6,
-                               atol=1e-2 if dtype is torch.bfloat16 else 1e-6)
     per_value = variance.repeat_interleave(4).view(2, 3, 2, 2)
     factor = invstd.view(1, 3, 1, 1) / 8 * (invstd.view(1, 3, 1, 1) ** 2 if raw else 1)
-    torch.testing.assert_close(correction.added(g, variance), g * per_value * factor)
+    term = g * per_value * factor
+    torch.testing.assert_close(correction.add_to(torch.zeros(2, 3, 2, 2), g, variance), term)
+    got = correction.add_to(dx, g, variance)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), dx.float() + term, rtol=1e-2 if dtype is torch.bfloat16 else 1e-6,
+                               atol=1e-2 if dtype is torch.bfloat16 else 1e-6)
