@@ -45,10 +45,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 POLICIES = ("plain", "bits2", "default")
 
 
-def _site(stack: list[traceback.FrameSummary]) -> str:
+def _memctl_frame(stack: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame of memctl's own code (not this script's), or None."""
     for frame in reversed(stack):
         if "/memctl/" in frame.filename and "/benchmarks/" not in frame.filename:
-            return f"memctl/{frame.filename.split('/memctl/')[-1]}:{frame.lineno} {frame.name}"
+            return frame
+    return None
+
+
+def _site(stack: list[traceback.FrameSummary]) -> str:
+    frame = _memctl_frame(stack)
+    if frame is not None:
+        return f"memctl/{frame.filename.split('/memctl/')[-1]}:{frame.lineno} {frame.name}"
     for frame in reversed(stack):
         if not frame.filename.endswith(("syncs.py", "warnings.py")):
             return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
@@ -64,10 +72,8 @@ _VIEWS = frozenset({
 
 
 def _op_site(stack: list[traceback.FrameSummary]) -> str:
-    for frame in reversed(stack):
-        if "/memctl/" in frame.filename and "/benchmarks/" not in frame.filename:
-            return f"memctl/{frame.filename.split('/memctl/')[-1]}:{frame.name}"
-    return "outside"
+    frame = _memctl_frame(stack)
+    return "outside" if frame is None else f"memctl/{frame.filename.split('/memctl/')[-1]}:{frame.name}"
 
 
 def count_ops(step: Any) -> collections.Counter[str]:
