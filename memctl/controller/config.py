@@ -60,6 +60,9 @@ class ControllerConfig:
             ``None``: no floor.
         keep_inputs: save the model's own input tensors by reference instead of compressing
             them (NOTE [ Model inputs ]); on by default.
+        fused_rnn: run a CPU ``nn.GRU``/``nn.LSTM`` as one autograd function per layer that
+            saves its input and output sequences, not the cell's tensors of every time step
+            (NOTE [ Fused recurrent layers ] in recurrent.py); on by default.
         pause_collector: pause Python's automatic garbage collection from a forward's start
             to its backward's end (NOTE [ Collector paused while records live ]); on by
             default, and only while the collector was enabled.
@@ -115,6 +118,7 @@ class ControllerConfig:
     attention_value_bits: int | None = 4
     norm_bits: int | None = 4
     keep_inputs: bool = True
+    fused_rnn: bool = True
     pause_collector: bool = True
     group_size: int = 256
     codec: CodecMode = CodecMode.QUANTIZE
@@ -191,6 +195,8 @@ class ControllerConfig:
             raise ConfigError(f"guard={self.guard!r}: must be True or False")
         if not isinstance(self.calibration_groups, bool):
             raise ConfigError(f"calibration_groups={self.calibration_groups!r}: must be True or False")
+        if not isinstance(self.fused_rnn, bool):
+            raise ConfigError(f"fused_rnn={self.fused_rnn!r}: must be True or False")
         _positive_float("guard_bound", self.guard_bound)
         _positive_float("guard_tolerance", self.guard_tolerance)
         _positive_float("solver_time_limit_s", self.solver_time_limit_s)

@@ -48,6 +48,7 @@ from memctl.controller.packing import Packer
 from memctl.controller.probe import run_probe
 from memctl.controller.probe_share import apply_share, replay_module, share_probe
 from memctl.controller.publication import Publication
+from memctl.controller.recurrent import RecurrentMode, attach_recurrent
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, median_grad_sq, read_scalars
@@ -155,6 +156,7 @@ class Controller:
         self._budget_changed = False
         self._totals: dict[str, Any] = {"raw_bytes": 0, "packed_bytes": 0, "other_bytes": 0}
         self._tracker = ModuleTracker()
+        self._recurrent = RecurrentMode()
         self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
         self._tracker.on_exit = self._packer.observe
         self._packer.set_parameters(model)
@@ -191,6 +193,8 @@ class Controller:
         self._handles.append(model.register_forward_pre_hook(on_forward, with_kwargs=True))
         self._handles.append(model.register_forward_hook(on_end, always_call=True))
         self._handles.extend(self._tracker.attach(model))
+        if self.config.fused_rnn:  # NOTE [ Fused recurrent layers ]
+            self._handles.extend(attach_recurrent(model, self._recurrent))
         self._handles.extend(self._packer.fsdp.attach(model))
         for name, module in model.named_modules():
             if module is model or not any(True for _ in module.parameters(recurse=False)):

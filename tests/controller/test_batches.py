@@ -46,7 +46,9 @@ def _gru_grads(batched: bool, bits: int, monkeypatch: pytest.MonkeyPatch) -> lis
     x = torch.randn(8, 12, 16)
     if not batched:
         monkeypatch.setattr(batches, "BATCH_BELOW", 0)
-    ctl = memctl.Controller(model, bits=bits, min_numel=0, calibration_fraction=0.0, monitor_interval_s=0)
+    # PyTorch's op: its hundreds of small tensors, not NOTE [ Fused recurrent layers ]
+    ctl = memctl.Controller(model, bits=bits, min_numel=0, calibration_fraction=0.0, monitor_interval_s=0,
+                            fused_rnn=False)
     model(x)[0].square().mean().backward()
     ctl.detach()
     monkeypatch.undo()
@@ -219,7 +221,8 @@ def test_micro_batches_backward_in_any_order_read_their_own_batches() -> None:
         model(x)[0].square().mean().backward()
     exact = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
-    ctl = memctl.Controller(model, bits=8, min_numel=0, calibration_fraction=0.0, monitor_interval_s=0)
+    ctl = memctl.Controller(model, bits=8, min_numel=0, calibration_fraction=0.0, monitor_interval_s=0,
+                            fused_rnn=False)  # the per-op path's batches
     losses = [model(x)[0].square().mean() for x in xs]
     for loss in reversed(losses):
         loss.backward()

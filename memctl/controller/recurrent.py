@@ -1,0 +1,367 @@
+"""Recurrent layers that save their sequences, not every gate of every time step.
+
+NOTE [ Fused recurrent layers ]
+On a CPU, ``nn.GRU`` and ``nn.LSTM`` run as one op per layer (``torch.gru``,
+``torch.lstm``) whose autograd graph is the cell written out for every time step: a
+2-layer GRU over 48 steps saves ~870 tensors of one batch row each (gate results, their
+products, slices), each a pack and an unpack through memctl's Python hooks, and the
+per-op records at 2 bits leave the weight gradient ~37% off the exact one. What the
+layer's backward needs is less: its input sequence ``x`` and its output sequence ``h``
+(an LSTM its initial cell too). From those two every gate is recomputed at once (two
+matmuls over the whole sequence), and the backward through time is a loop of a few ops a
+step whose weight gradients are three matmuls after it, as cuDNN's own fused RNN does
+with its reserve.
+
+So inside an attached ``nn.GRU``/``nn.LSTM`` (a torch-function mode pushed by its pre-hook
+and popped by its post-hook: the module is untouched) ``torch.gru``/``torch.lstm`` is run
+per layer and direction as a :class:`torch.autograd.Function` that computes the forward
+without a graph and saves ``x``, ``h0`` (``c0``) and the output: memctl compresses two
+sequence-sized records a layer. The LSTM's cell sequence is not saved: its backward
+recomputes it from the recomputed gates (one ``addcmul`` a step). The outputs, the final
+states, the dropout between layers and the RNG it draws are PyTorch's; the gradients match
+PyTorch's to float rounding when the records are exact (``tests/controller/test_recurrent.py``).
+A backward asked to build a graph (``create_graph=True``) recomputes the layer through
+PyTorch's own op instead, so gradients of gradients stay exact in form.
+
+What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
+other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the
+layer and save a handful of tensors), inputs or weights of tensor subclasses, and a forward
+without gradients. ``Controller(..., fused_rnn=False)`` keeps every layer there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from memctl.controller.copysafe import ControllerHook  # NOTE [ Copies of an attached model ]
+
+__all__ = ["RecurrentMode", "attach_recurrent", "fused_gru", "fused_lstm"]
+
+_log = logging.getLogger("memctl.controller")
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+class RecurrentMode(TorchFunctionMode):
+    """Runs ``torch.gru``/``torch.lstm`` as fused layers (NOTE [ Fused recurrent layers ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = 0
+        """Layer calls run fused (each layer and direction of each call counts once)."""
+        self._failed = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if not kwargs and (func is torch.gru or func is torch.lstm):
+            try:
+                out = fused_gru(args) if func is torch.gru else fused_lstm(args)
+            except Exception as exc:  # PyTorch's own op then runs: training goes on
+                if not self._failed:
+                    self._failed = True
+                    _log.warning("memctl: fused %s failed (%s: %s); the layer runs as PyTorch's op",
+                                 getattr(func, "__name__", func), type(exc).__name__, exc)
+                out = None
+            if out is not None:
+                self.fused += 1
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+def attach_recurrent(model: torch.nn.Module, mode: RecurrentMode) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks that run ``mode`` inside every ``nn.GRU`` and ``nn.LSTM`` of ``model``; their handles."""
+    local = threading.local()  # torch-function modes are per thread, and so is what was entered
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        inside = not torch.compiler.is_compiling() and torch.is_grad_enabled()
+        if inside:
+            mode.__enter__()
+        entered = getattr(local, "entered", None)
+        if entered is None:
+            entered = local.entered = []
+        entered.append(inside)
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        entered = getattr(local, "entered", None)
+        if entered and entered.pop():
+            mode.__exit__(None, None, None)
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, (torch.nn.GRU, torch.nn.LSTM)):
+            handles.append(module.register_forward_pre_hook(ControllerHook(enter)))
+            handles.append(module.register_forward_hook(ControllerHook(leave), always_call=True))
+    return handles
+
+
+def _plain(t: Any) -> bool:
+    return type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+
+
+def _supported(x: Any, states: Sequence[Any], params: Sequence[Any], has_biases: bool, layers: int,
+               dirs: int, gates: int) -> bool:
+    if not torch.is_grad_enabled() or not _plain(x) or x.dim() != 3 or x.dtype not in _DTYPES:
+        return False
+    if x.device.type != "cpu":
+        return False
+    per = 4 if has_biases else 2
+    if len(params) != layers * dirs * per or not all(_plain(p) for p in params):
+        return False
+    if not all(_plain(s) and s.dtype == x.dtype and s.device == x.device and s.dim() == 3 for s in states):
+        return False
+    hidden = states[0].shape[2]
+    for k, p in enumerate(params):
+        if p.dtype != x.dtype or p.device != x.device:
+            return False
+        if k % per == 1 and tuple(p.shape) != (gates * hidden, hidden):  # an LSTM projection: not here
+            return False
+    return x.requires_grad or any(p.requires_grad for p in params) or any(s.requires_grad for s in states)
+
+
+_Weights = tuple[Any, Any, Any, Any]
+
+
+def _layer_params(params: Sequence[Any], index: int, has_biases: bool) -> _Weights:
+    per = 4 if has_biases else 2
+    w = params[index * per:(index + 1) * per]
+    return (w[0], w[1], w[2], w[3]) if has_biases else (w[0], w[1], None, None)
+
+
+LayerFn = Callable[[torch.Tensor, int, bool, _Weights], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _stack(args: Sequence[Any], layer_fn: LayerFn) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The layers and directions of a checked ``torch.gru``/``torch.lstm`` call, each by ``layer_fn(seq,
+    index, reverse, weights)`` -> (output sequence, final cell or None), with PyTorch's dropout
+    between layers: the output, the final states and the final cells."""
+    x, _, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    dirs = 2 if bidirectional else 1
+    seq = x.transpose(0, 1) if batch_first else x
+    finals: list[torch.Tensor] = []
+    cells: list[torch.Tensor] = []
+    for layer in range(layers):
+        outs = []
+        for d in range(dirs):
+            index = layer * dirs + d
+            out, cell = layer_fn(seq, index, d == 1, _layer_params(params, index, bool(has_biases)))
+            outs.append(out)
+            finals.append(out[-1] if d == 0 else out[0])
+            if cell is not None:
+                cells.append(cell)
+        seq = outs[0] if dirs == 1 else torch.cat(outs, 2)
+        if dropout and train and layer < layers - 1:
+            seq = F.dropout(seq, dropout, True)
+    return (seq.transpose(0, 1) if batch_first else seq), torch.stack(finals), cells
+
+
+def fused_gru(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``torch.gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+    batch_first)`` run fused, or None where PyTorch's op must run (NOTE [ Fused recurrent layers ])."""
+    if len(args) != 9 or not isinstance(args[2], (list, tuple)):
+        return None  # a packed sequence: (data, batch_sizes, hx, params, ...)
+    x, hx, params, has_biases, layers, _, _, bidirectional, _ = args
+    if not _supported(x, (hx,), params, bool(has_biases), int(layers), 2 if bidirectional else 1, 3):
+        return None
+
+    def layer(seq: torch.Tensor, index: int, reverse: bool, w: _Weights) -> tuple[Any, None]:
+        return _GRULayer.apply(seq, hx[index], reverse, *w), None
+
+    out, finals, _ = _stack(args, layer)
+    return out, finals
+
+
+def fused_lstm(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``torch.lstm(input, (h0, c0), params, ...)`` run fused, or None (NOTE [ Fused recurrent layers ])."""
+    if len(args) != 9 or not isinstance(args[1], (list, tuple)) or not isinstance(args[2], (list, tuple)):
+        return None
+    x, hx, params, has_biases, layers, _, _, bidirectional, _ = args
+    dirs = 2 if bidirectional else 1
+    if len(hx) != 2 or not _supported(x, tuple(hx), params, bool(has_biases), int(layers), dirs, 4):
+        return None
+    h0, c0 = hx
+    if h0.shape != c0.shape:
+        return None
+
+    def layer(seq: torch.Tensor, index: int, reverse: bool, w: _Weights) -> tuple[Any, Any]:
+        out, cell = _LSTMLayer.apply(seq, h0[index], c0[index], reverse, *w)
+        return out, cell
+
+    out, finals, cells = _stack(args, layer)
+    return out, finals, torch.stack(cells)
+
+
+def _weights(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None,
+             b_hh: torch.Tensor | None) -> list[torch.Tensor]:
+    return [w_ih, w_hh] if b_ih is None or b_hh is None else [w_ih, w_hh, b_ih, b_hh]
+
+
+def _affine(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + b`` over every time step at once, as (T, B, rows)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, w.t()) if b is None else torch.addmm(b, flat, w.t())
+    return out.view(x.shape[0], x.shape[1], -1)
+
+
+def _time_major(t: torch.Tensor, reverse: bool) -> torch.Tensor:
+    return t.flip(0) if reverse else t
+
+
+def _replayed(ctx: Any, fn: Any, inputs: tuple[Any, ...], grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The gradients of a layer recomputed through PyTorch's op, as a graph (``create_graph``)."""
+    wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and ctx.needs_input_grad[i]]
+    outs = fn()
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+    got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                              create_graph=True, allow_unused=True)
+    result: list[Any] = [None] * len(inputs)
+    for i, g in zip(wanted, got, strict=True):
+        result[i] = g
+    return tuple(result)
+
+
+class _GRULayer(torch.autograd.Function):
+    """One GRU layer and direction over a time-major sequence (NOTE [ Fused recurrent layers ])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, reverse: bool, w_ih: torch.Tensor,
+                w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> torch.Tensor:
+        with torch.no_grad():
+            out = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
+                            b_ih is not None, 1, 0.0, False, False, False)[0]
+        out = _time_major(out, reverse)
+        ctx.save_for_backward(x, h0, out, w_ih, w_hh, b_ih, b_hh)
+        ctx.reverse = reverse
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, gout: torch.Tensor) -> tuple[Any, ...]:
+        x, h0, out, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        reverse = ctx.reverse
+        if torch.is_grad_enabled():  # create_graph: through PyTorch's op
+            inputs = (x, h0, None, w_ih, w_hh, b_ih, b_hh)
+
+            def again() -> tuple[torch.Tensor]:
+                y = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
+                              b_ih is not None, 1, 0.0, False, False, False)[0]
+                return (_time_major(y, reverse),)
+
+            return _replayed(ctx, again, inputs, (gout,))
+        xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
+        steps, batch, hidden = hs.shape
+        hp = torch.cat([h0.unsqueeze(0), hs[:-1]])  # the state each step read
+        gi = _affine(xs, w_ih, b_ih).view(steps, batch, 3, hidden)
+        gh = _affine(hp, w_hh, b_hh).view(steps, batch, 3, hidden)
+        rz = torch.sigmoid_(gi[:, :, :2] + gh[:, :, :2])
+        r, z = rz[:, :, 0], rz[:, :, 1]
+        h_n = gh[:, :, 2]
+        n = torch.tanh_(torch.addcmul(gi[:, :, 2], r, h_n))
+        # the step's gate gradients are its state gradient times these (the backward is linear in it)
+        a = (1 - z).mul_(1 - n * n)
+        coef = torch.empty(steps, batch, 3, hidden, dtype=hs.dtype)
+        torch.mul(a * h_n, r * (1 - r), out=coef[:, :, 0])
+        torch.mul(hp - n, z * (1 - z), out=coef[:, :, 1])
+        torch.mul(a, r, out=coef[:, :, 2])
+        dh_all = torch.empty_like(hs)
+        dgh_all = torch.empty_like(coef)
+        coefs, zs, gs = coef.unbind(0), z.unbind(0), g.contiguous().unbind(0)
+        dhs, dghs = dh_all.unbind(0), dgh_all.unbind(0)
+        carry = None
+        for t in range(steps - 1, -1, -1):
+            dh = dhs[t]
+            if carry is None:
+                dh.copy_(gs[t])
+            else:
+                torch.add(gs[t], carry, out=dh)
+            dgh = torch.mul(coefs[t], dh.unsqueeze(1), out=dghs[t])
+            carry = torch.addmm(dh * zs[t], dgh.view(batch, 3 * hidden), w_hh)
+        dgi_all = dgh_all.clone()
+        torch.mul(dh_all, a, out=dgi_all[:, :, 2])
+        dgi = dgi_all.view(steps * batch, 3 * hidden)
+        dgh = dgh_all.view(steps * batch, 3 * hidden)
+        need = ctx.needs_input_grad
+        dx = _time_major(torch.mm(dgi, w_ih).view_as(xs), reverse) if need[0] else None
+        return (dx, carry if need[1] else None, None,
+                torch.mm(dgi.t(), xs.reshape(steps * batch, -1)) if need[3] else None,
+                torch.mm(dgh.t(), hp.reshape(steps * batch, hidden)) if need[4] else None,
+                dgi.sum(0) if need[5] else None, dgh.sum(0) if need[6] else None)
+
+
+class _LSTMLayer(torch.autograd.Function):
+    """One LSTM layer and direction over a time-major sequence (NOTE [ Fused recurrent layers ])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, reverse: bool,
+                w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None,
+                b_hh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            out, _, c_last = torch.lstm(_time_major(x, reverse), (h0.unsqueeze(0), c0.unsqueeze(0)),
+                                        _weights(w_ih, w_hh, b_ih, b_hh), b_ih is not None, 1, 0.0,
+                                        False, False, False)
+        out = _time_major(out, reverse)
+        ctx.save_for_backward(x, h0, c0, out, w_ih, w_hh, b_ih, b_hh)
+        ctx.reverse = reverse
+        return out, c_last[0]
+
+    @staticmethod
+    def backward(ctx: Any, gout: torch.Tensor, gc: torch.Tensor | None) -> tuple[Any, ...]:
+        x, h0, c0, out, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        reverse = ctx.reverse
+        if torch.is_grad_enabled():  # create_graph: through PyTorch's op
+            inputs = (x, h0, c0, None, w_ih, w_hh, b_ih, b_hh)
+
+            def again() -> tuple[torch.Tensor, torch.Tensor]:
+                y, _, c = torch.lstm(_time_major(x, reverse), (h0.unsqueeze(0), c0.unsqueeze(0)),
+                                     _weights(w_ih, w_hh, b_ih, b_hh), b_ih is not None, 1, 0.0,
+                                     False, False, False)
+                return _time_major(y, reverse), c[0]
+
+            return _replayed(ctx, again, inputs, (gout, gc))
+        xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
+        steps, batch, hidden = hs.shape
+        hp = torch.cat([h0.unsqueeze(0), hs[:-1]])
+        pre = _affine(xs, w_ih, b_ih).add_(_affine(hp, w_hh, b_hh)).view(steps, batch, 4, hidden)
+        ifo = torch.sigmoid(pre[:, :, (0, 1, 3)])
+        i, f, o = ifo[:, :, 0], ifo[:, :, 1], ifo[:, :, 2]
+        gg = torch.tanh(pre[:, :, 2])
+        # the cell sequence, recomputed from the gates (not saved)
+        cells = torch.empty(steps + 1, batch, hidden, dtype=hs.dtype)
+        cells[0] = c0
+        ig = i * gg
+        for t in range(steps):
+            torch.addcmul(ig[t], f[t], cells[t], out=cells[t + 1])
+        cp, c = cells[:-1], cells[1:]
+        tc = torch.tanh(c)
+        k = o * (1 - tc * tc)  # dc/dh through h = o tanh(c)
+        coef = torch.empty(steps, batch, 3, hidden, dtype=hs.dtype)  # (i, f, g) pre-activations per dc
+        torch.mul(gg, i * (1 - i), out=coef[:, :, 0])
+        torch.mul(cp, f * (1 - f), out=coef[:, :, 1])
+        torch.mul(i, 1 - gg * gg, out=coef[:, :, 2])
+        co = tc * o * (1 - o)  # the o pre-activation per dh
+        dpre = torch.empty(steps, batch, 4, hidden, dtype=hs.dtype)
+        coefs, cos_, ks, fs = coef.unbind(0), co.unbind(0), k.unbind(0), f.unbind(0)
+        gs, dpres = g.contiguous().unbind(0), dpre.unbind(0)
+        carry_h: torch.Tensor | None = None
+        carry_c = gc if gc is not None else torch.zeros_like(c0)
+        for t in range(steps - 1, -1, -1):
+            dh = gs[t] if carry_h is None else gs[t] + carry_h
+            dc = torch.addcmul(carry_c, dh, ks[t])
+            d = dpres[t]
+            torch.mul(coefs[t], dc.unsqueeze(1), out=d[:, :3])
+            torch.mul(cos_[t], dh, out=d[:, 3])
+            carry_h = torch.mm(d.view(batch, 4 * hidden), w_hh)
+            carry_c = dc * fs[t]
+        flat = dpre.view(steps * batch, 4 * hidden)
+        need = ctx.needs_input_grad
+        dx = _time_major(torch.mm(flat, w_ih).view_as(xs), reverse) if need[0] else None
+        db = flat.sum(0) if need[6] or need[7] else None
+        return (dx, carry_h if need[1] else None, carry_c if need[2] else None, None,
+                torch.mm(flat.t(), xs.reshape(steps * batch, -1)) if need[4] else None,
+                torch.mm(flat.t(), hp.reshape(steps * batch, hidden)) if need[5] else None,
+                db if need[6] else None, db if need[7] else None)
