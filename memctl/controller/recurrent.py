@@ -22,6 +22,9 @@ states, the dropout between layers and the RNG it draws are PyTorch's; the gradi
 PyTorch's to float rounding when the records are exact (``tests/controller/test_recurrent.py``).
 A backward asked to build a graph (``create_graph=True``) recomputes the layer through
 PyTorch's own op instead, so gradients of gradients stay exact in form.
+The output is saved, as cuDNN's and oneDNN's fused layers save it: changed in place before
+the backward, it raises autograd's in-place error, as PyTorch's own LSTM on a CPU and either
+layer on a GPU do (PyTorch's CPU GRU alone saves no output).
 
 What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
 other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the

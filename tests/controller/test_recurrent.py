@@ -195,3 +195,17 @@ def test_a_copy_of_an_attached_model_runs_plain() -> None:
 def test_fused_rnn_must_be_a_bool() -> None:
     with pytest.raises(memctl.errors.ConfigError, match="fused_rnn='no': must be True or False"):
         memctl.Controller(nn.GRU(2, 3), fused_rnn="no")
+
+
+def test_an_output_changed_in_place_raises_as_pytorchs_fused_layers_do() -> None:
+    """The output is saved, as oneDNN's LSTM (PyTorch's own, on a CPU) saves it."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    for kind in (nn.GRU, nn.LSTM):
+        model = _Tagger(kind)
+        ctl = memctl.Controller(model, bits=2, calibration_fraction=0.0, monitor_interval_s=0)
+        out = model.rnn(x)[0]
+        out.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        ctl.detach()
