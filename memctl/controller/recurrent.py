@@ -29,7 +29,8 @@ layer on a GPU do (PyTorch's CPU GRU alone saves no output).
 What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
 other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the
 layer and save a handful of tensors), inputs or weights of tensor subclasses, and a forward
-without gradients. ``Controller(..., fused_rnn=False)`` keeps every layer there.
+without gradients or under a ``torch.func`` transform. ``Controller(..., fused_rnn=False)``
+keeps every layer there.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _plain(t: Any) -> bool:
 def _supported(x: Any, states: Sequence[Any], params: Sequence[Any], has_biases: bool, layers: int,
                dirs: int, gates: int) -> bool:
     if not torch.is_grad_enabled() or not _plain(x) or x.dim() != 3 or x.dtype not in _DTYPES:
+        return False
+    if torch._C._are_functorch_transforms_active():  # torch.func: an autograd.Function needs more there
         return False
     if x.device.type != "cpu":
         return False
@@ -271,6 +274,7 @@ class _GRULayer(torch.autograd.Function):
         torch.mul(a * h_n, r * (1 - r), out=coef[:, :, 0])
         torch.mul(hp - n, z * (1 - z), out=coef[:, :, 1])
         torch.mul(a, r, out=coef[:, :, 2])
+        del gi, gh, h_n, n, r  # (z stays: a view of rz) the backward's peak is the buffers below
         dh_all = torch.empty_like(hs)
         dgh_all = torch.empty_like(coef)
         coefs, zs, gs = coef.unbind(0), z.unbind(0), g.contiguous().unbind(0)
@@ -284,16 +288,17 @@ class _GRULayer(torch.autograd.Function):
                 torch.add(gs[t], carry, out=dh)
             dgh = torch.mul(coefs[t], dh.unsqueeze(1), out=dghs[t])
             carry = torch.addmm(dh * zs[t], dgh.view(batch, 3 * hidden), w_hh)
-        dgi_all = dgh_all.clone()
-        torch.mul(dh_all, a, out=dgi_all[:, :, 2])
-        dgi = dgi_all.view(steps * batch, 3 * hidden)
-        dgh = dgh_all.view(steps * batch, 3 * hidden)
+        del coef, coefs
         need = ctx.needs_input_grad
-        dx = _time_major(torch.mm(dgi, w_ih).view_as(xs), reverse) if need[0] else None
+        flat = dgh_all.view(steps * batch, 3 * hidden)
+        dw_hh = torch.mm(flat.t(), hp.reshape(steps * batch, hidden)) if need[4] else None
+        db_hh = flat.sum(0) if need[6] else None
+        # the input gates' gradients differ from the hidden ones in the new gate's part only
+        torch.mul(dh_all, a, out=dgh_all[:, :, 2])
+        dx = _time_major(torch.mm(flat, w_ih).view_as(xs), reverse) if need[0] else None
         return (dx, carry if need[1] else None, None,
-                torch.mm(dgi.t(), xs.reshape(steps * batch, -1)) if need[3] else None,
-                torch.mm(dgh.t(), hp.reshape(steps * batch, hidden)) if need[4] else None,
-                dgi.sum(0) if need[5] else None, dgh.sum(0) if need[6] else None)
+                torch.mm(flat.t(), xs.reshape(steps * batch, -1)) if need[3] else None,
+                dw_hh, flat.sum(0) if need[5] else None, db_hh)
 
 
 class _LSTMLayer(torch.autograd.Function):
@@ -333,6 +338,7 @@ class _LSTMLayer(torch.autograd.Function):
         ifo = torch.sigmoid(pre[:, :, (0, 1, 3)])
         i, f, o = ifo[:, :, 0], ifo[:, :, 1], ifo[:, :, 2]
         gg = torch.tanh(pre[:, :, 2])
+        del pre
         # the cell sequence, recomputed from the gates (not saved)
         cells = torch.empty(steps + 1, batch, hidden, dtype=hs.dtype)
         cells[0] = c0
@@ -347,6 +353,7 @@ class _LSTMLayer(torch.autograd.Function):
         torch.mul(cp, f * (1 - f), out=coef[:, :, 1])
         torch.mul(i, 1 - gg * gg, out=coef[:, :, 2])
         co = tc * o * (1 - o)  # the o pre-activation per dh
+        del ig, cells, cp, c, tc
         dpre = torch.empty(steps, batch, 4, hidden, dtype=hs.dtype)
         coefs, cos_, ks, fs = coef.unbind(0), co.unbind(0), k.unbind(0), f.unbind(0)
         gs, dpres = g.contiguous().unbind(0), dpre.unbind(0)

@@ -209,3 +209,20 @@ def test_an_output_changed_in_place_raises_as_pytorchs_fused_layers_do() -> None
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             out.sum().backward()
         ctl.detach()
+
+
+def test_torch_func_transforms_run_pytorchs_op() -> None:
+    model = nn.GRU(3, 4)
+    x = torch.randn(5, 2, 3)
+    mode = RecurrentMode()
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        with mode:
+            out: torch.Tensor = torch.func.functional_call(model, params, (x,))[0]
+        return out.square().sum()
+
+    got = torch.func.grad(loss)(dict(model.named_parameters()))
+    model(x)[0].square().sum().backward()
+    assert mode.fused == 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad)
