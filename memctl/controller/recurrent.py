@@ -29,7 +29,7 @@ layer on a GPU do (PyTorch's CPU GRU alone saves no output).
 What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
 other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the
 layer and save a handful of tensors), inputs or weights of tensor subclasses, and a forward
-without gradients or under a ``torch.func`` transform. ``Controller(..., fused_rnn=False)``
+without gradients, under autocast or under a ``torch.func`` transform. ``Controller(..., fused_rnn=False)``
 keeps every layer there.
 """
 
@@ -115,7 +115,7 @@ def _supported(x: Any, states: Sequence[Any], params: Sequence[Any], has_biases:
         return False
     if torch._C._are_functorch_transforms_active():  # torch.func: an autograd.Function needs more there
         return False
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):  # autocast: its own dtypes per op
         return False
     per = 4 if has_biases else 2
     if len(params) != layers * dirs * per or not all(_plain(p) for p in params):

@@ -226,3 +226,16 @@ def test_torch_func_transforms_run_pytorchs_op() -> None:
     assert mode.fused == 0
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad)
+
+
+@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+def test_autocast_runs_pytorchs_op(kind: type[nn.Module]) -> None:
+    """CPU autocast runs an LSTM in bfloat16 (and a GRU in float32): its dtypes are PyTorch's own."""
+    torch.manual_seed(0)
+    model = kind(8, 16, batch_first=True)
+    x = torch.randn(4, 5, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = model(x)[0]
+        (fused, _), mode = _run(model, x, True)
+    fused.float().sum().backward()
+    assert mode.fused == 0 and fused.dtype == plain.dtype and torch.equal(plain, fused)
