@@ -60,7 +60,7 @@ class ControllerConfig:
             ``None``: no floor.
         keep_inputs: save the model's own input tensors by reference instead of compressing
             them (NOTE [ Model inputs ]); on by default.
-        fused_rnn: run a CPU ``nn.GRU``/``nn.LSTM`` as one autograd function per layer that
+        fused_rnn: run a CPU ``nn.GRU``/``nn.LSTM``/``nn.RNN`` as one autograd function per layer that
             saves its input and output sequences, not the cell's tensors of every time step
             (NOTE [ Fused recurrent layers ] in recurrent.py); on by default.
         pause_collector: pause Python's automatic garbage collection from a forward's start

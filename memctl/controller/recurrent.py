@@ -1,19 +1,21 @@
 """Recurrent layers that save their sequences, not every gate of every time step.
 
 NOTE [ Fused recurrent layers ]
-On a CPU, ``nn.GRU`` and ``nn.LSTM`` run as one op per layer (``torch.gru``,
-``torch.lstm``) whose autograd graph is the cell written out for every time step: a
+On a CPU, ``nn.GRU`` and ``nn.RNN`` run as one op per call (``torch.gru``,
+``torch.rnn_tanh``) whose autograd graph is the cell written out for every time step: a
 2-layer GRU over 48 steps saves ~870 tensors of one batch row each (gate results, their
-products, slices), each a pack and an unpack through memctl's Python hooks, and the
-per-op records at 2 bits leave the weight gradient ~37% off the exact one. What the
-layer's backward needs is less: its input sequence ``x`` and its output sequence ``h``
-(an LSTM its initial cell too). From those two every gate is recomputed at once (two
-matmuls over the whole sequence), and the backward through time is a loop of a few ops a
-step whose weight gradients are three matmuls after it, as cuDNN's own fused RNN does
-with its reserve.
+products, slices; an RNN ~3 a step), each a pack and an unpack through memctl's Python
+hooks, and those per-op records at 2 bits left the GRU's weight gradient ~37% off the exact
+one. A float32 ``nn.LSTM`` runs on oneDNN, whose backward keeps every gate of every step in
+a byte workspace that memctl can only hold as it is (23 MiB of the 25 MiB a 2-layer LSTM of
+128 over 48 steps at batch 32 saves). What a layer's backward needs is less: its input
+sequence ``x`` and its output sequence ``h`` (an LSTM its initial cell too). From those every
+gate is recomputed at once (two matmuls over the whole sequence), and the backward through
+time is a loop of a few ops a step whose weight gradients are three matmuls after it, as
+cuDNN's own fused RNN does with its reserve.
 
-So inside an attached ``nn.GRU``/``nn.LSTM`` (a torch-function mode pushed by its pre-hook
-and popped by its post-hook: the module is untouched) ``torch.gru``/``torch.lstm`` is run
+So inside an attached ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (a torch-function mode pushed by its
+pre-hook and popped by its post-hook: the module is untouched) its op is run
 per layer and direction as a :class:`torch.autograd.Function` that computes the forward
 without a graph and saves ``x``, ``h0`` (``c0``) and the output: memctl compresses two
 sequence-sized records a layer. The LSTM's cell sequence is not saved: its backward
@@ -24,13 +26,13 @@ A backward asked to build a graph (``create_graph=True``) recomputes the layer t
 PyTorch's own op instead, so gradients of gradients stay exact in form.
 The output is saved, as cuDNN's and oneDNN's fused layers save it: changed in place before
 the backward, it raises autograd's in-place error, as PyTorch's own LSTM on a CPU and either
-layer on a GPU do (PyTorch's CPU GRU alone saves no output).
+layer on a GPU do (PyTorch's CPU GRU and RNN save none).
 
 What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
 other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the
 layer and save a handful of tensors), inputs or weights of tensor subclasses, and a forward
-without gradients, under autocast or under a ``torch.func`` transform. ``Controller(..., fused_rnn=False)``
-keeps every layer there.
+without gradients, under autocast or under a ``torch.func`` transform.
+``Controller(..., fused_rnn=False)`` keeps every layer there.
 """
 
 from __future__ import annotations
@@ -54,19 +56,21 @@ _DTYPES = (torch.float32, torch.float64)
 
 
 class RecurrentMode(TorchFunctionMode):
-    """Runs ``torch.gru``/``torch.lstm`` as fused layers (NOTE [ Fused recurrent layers ])."""
+    """Runs ``torch.gru``/``torch.lstm``/``torch.rnn_tanh``/``torch.rnn_relu`` as fused layers
+    (NOTE [ Fused recurrent layers ])."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fused = 0
-        """Layer calls run fused (each layer and direction of each call counts once)."""
+        """Calls of a recurrent op run fused (one a module call, whatever its layers)."""
         self._failed = False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        if not kwargs and (func is torch.gru or func is torch.lstm):
+        fused = _FUSED.get(func)
+        if not kwargs and fused is not None:
             try:
-                out = fused_gru(args) if func is torch.gru else fused_lstm(args)
+                out = fused(args)
             except Exception as exc:  # PyTorch's own op then runs: training goes on
                 if not self._failed:
                     self._failed = True
@@ -80,7 +84,8 @@ class RecurrentMode(TorchFunctionMode):
 
 
 def attach_recurrent(model: torch.nn.Module, mode: RecurrentMode) -> list[torch.utils.hooks.RemovableHandle]:
-    """Hooks that run ``mode`` inside every ``nn.GRU`` and ``nn.LSTM`` of ``model``; their handles."""
+    """Hooks that run ``mode`` inside every ``nn.GRU``, ``nn.LSTM`` and ``nn.RNN`` of ``model``; their
+    handles."""
     local = threading.local()  # torch-function modes are per thread, and so is what was entered
 
     def enter(module: torch.nn.Module, args: Any) -> None:
@@ -99,7 +104,7 @@ def attach_recurrent(model: torch.nn.Module, mode: RecurrentMode) -> list[torch.
 
     handles = []
     for module in model.modules():
-        if isinstance(module, (torch.nn.GRU, torch.nn.LSTM)):
+        if isinstance(module, (torch.nn.GRU, torch.nn.LSTM, torch.nn.RNN)):
             handles.append(module.register_forward_pre_hook(ControllerHook(enter)))
             handles.append(module.register_forward_hook(ControllerHook(leave), always_call=True))
     return handles
@@ -201,6 +206,31 @@ def fused_lstm(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
     out, finals, cells = _stack(args, layer)
     return out, finals, torch.stack(cells)
+
+
+def _fused_simple(relu: bool) -> Callable[[Sequence[Any]], tuple[torch.Tensor, torch.Tensor] | None]:
+    """``torch.rnn_tanh``/``torch.rnn_relu`` (``nn.RNN``; the same arguments as ``torch.gru``) run fused."""
+
+    def fused(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if len(args) != 9 or not isinstance(args[2], (list, tuple)):
+            return None
+        x, hx, params, has_biases, layers, _, _, bidirectional, _ = args
+        if not _supported(x, (hx,), params, bool(has_biases), int(layers), 2 if bidirectional else 1, 1):
+            return None
+
+        def layer(seq: torch.Tensor, index: int, reverse: bool, w: _Weights) -> tuple[Any, None]:
+            return _RNNLayer.apply(seq, hx[index], reverse, relu, *w), None
+
+        out, finals, _ = _stack(args, layer)
+        return out, finals
+
+    return fused
+
+
+_FUSED: dict[Any, Callable[[Sequence[Any]], Any]] = {
+    torch.gru: fused_gru, torch.lstm: fused_lstm,
+    torch.rnn_tanh: _fused_simple(False), torch.rnn_relu: _fused_simple(True),
+}
 
 
 def _weights(w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None,
@@ -372,6 +402,62 @@ class _LSTMLayer(torch.autograd.Function):
         dx = _time_major(torch.mm(flat, w_ih).view_as(xs), reverse) if need[0] else None
         db = flat.sum(0) if need[6] or need[7] else None
         return (dx, carry_h if need[1] else None, carry_c if need[2] else None, None,
+                torch.mm(flat.t(), xs.reshape(steps * batch, -1)) if need[4] else None,
+                torch.mm(flat.t(), hp.reshape(steps * batch, hidden)) if need[5] else None,
+                db if need[6] else None, db if need[7] else None)
+
+
+class _RNNLayer(torch.autograd.Function):
+    """One ``nn.RNN`` layer and direction (tanh or ReLU) over a time-major sequence (NOTE [ Fused
+    recurrent layers ])."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, reverse: bool, relu: bool, w_ih: torch.Tensor,
+                w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> torch.Tensor:
+        op = torch.rnn_relu if relu else torch.rnn_tanh
+        with torch.no_grad():
+            out = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
+                     b_ih is not None, 1, 0.0, False, False, False)[0]
+        out = _time_major(out, reverse)
+        ctx.save_for_backward(x, h0, out, w_ih, w_hh, b_ih, b_hh)
+        ctx.reverse, ctx.relu = reverse, relu
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, gout: torch.Tensor) -> tuple[Any, ...]:
+        x, h0, out, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        reverse, relu = ctx.reverse, ctx.relu
+        op = torch.rnn_relu if relu else torch.rnn_tanh
+        if torch.is_grad_enabled():  # create_graph: through PyTorch's op
+            inputs = (x, h0, None, None, w_ih, w_hh, b_ih, b_hh)
+
+            def again() -> tuple[torch.Tensor]:
+                y = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
+                       b_ih is not None, 1, 0.0, False, False, False)[0]
+                return (_time_major(y, reverse),)
+
+            return _replayed(ctx, again, inputs, (gout,))
+        xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
+        steps, batch, hidden = hs.shape
+        hp = torch.cat([h0.unsqueeze(0), hs[:-1]])
+        pre = _affine(xs, w_ih, b_ih).add_(_affine(hp, w_hh, b_hh))  # recomputed, as the gates are
+        if relu:
+            slope = (pre > 0).to(pre.dtype)
+        else:
+            slope = torch.tanh_(pre)
+            slope = torch.mul(slope, slope).neg_().add_(1)
+        del pre
+        dpre = torch.empty_like(slope)
+        slopes, gs, dpres = slope.unbind(0), g.contiguous().unbind(0), dpre.unbind(0)
+        carry: torch.Tensor | None = None
+        for t in range(steps - 1, -1, -1):
+            dh = gs[t] if carry is None else gs[t] + carry
+            carry = torch.mm(torch.mul(dh, slopes[t], out=dpres[t]), w_hh)
+        flat = dpre.view(steps * batch, hidden)
+        need = ctx.needs_input_grad
+        db = flat.sum(0) if need[6] or need[7] else None
+        return (_time_major(torch.mm(flat, w_ih).view_as(xs), reverse) if need[0] else None,
+                carry if need[1] else None, None, None,
                 torch.mm(flat.t(), xs.reshape(steps * batch, -1)) if need[4] else None,
                 torch.mm(flat.t(), hp.reshape(steps * batch, hidden)) if need[5] else None,
                 db if need[6] else None, db if need[7] else None)

@@ -16,6 +16,14 @@ from memctl.controller import recurrent
 from memctl.controller.recurrent import RecurrentMode
 
 
+def _relu_rnn(*args: Any, **kwargs: Any) -> nn.Module:
+    return nn.RNN(*args, nonlinearity="relu", **kwargs)
+
+
+KINDS = [nn.GRU, nn.LSTM, nn.RNN, _relu_rnn]
+KIND_IDS = ["GRU", "LSTM", "RNN-tanh", "RNN-relu"]
+
+
 def _run(model: nn.Module, x: Any, fused: bool) -> tuple[Any, RecurrentMode]:
     mode = RecurrentMode()
     if not fused:
@@ -32,12 +40,13 @@ def _loss(out: torch.Tensor, states: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize(("layers", "bidirectional", "batch_first", "bias"),
                          [(1, False, False, True), (2, True, True, True), (2, False, True, False),
                           (3, True, False, True)])
-def test_outputs_states_and_gradients_are_pytorchs(kind: type[nn.Module], layers: int, bidirectional: bool,
-                                                   batch_first: bool, bias: bool) -> None:
+def test_outputs_states_and_gradients_are_pytorchs(kind: Callable[..., nn.Module], layers: int,
+                                                   bidirectional: bool, batch_first: bool,
+                                                   bias: bool) -> None:
     torch.manual_seed(0)
     model = kind(5, 6, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first,
                  bias=bias).double()
@@ -56,8 +65,8 @@ def test_outputs_states_and_gradients_are_pytorchs(kind: type[nn.Module], layers
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
-def test_gradients_of_gradients(kind: type[nn.Module]) -> None:
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_gradients_of_gradients(kind: Callable[..., nn.Module]) -> None:
     """``create_graph``: the layer's backward recomputes through PyTorch's op, so it is differentiable."""
     torch.manual_seed(0)
     model = kind(3, 4, num_layers=2, bidirectional=True).double()
@@ -72,8 +81,8 @@ def test_gradients_of_gradients(kind: type[nn.Module]) -> None:
     assert torch.autograd.gradgradcheck(fn, (x,))
 
 
-@pytest.mark.parametrize("kind", [nn.GRU, nn.LSTM])
-def test_dropout_between_layers_draws_pytorchs_masks(kind: type[nn.Module]) -> None:
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_dropout_between_layers_draws_pytorchs_masks(kind: Callable[..., nn.Module]) -> None:
     model = kind(4, 6, num_layers=3, dropout=0.5).double()  # float64: PyTorch's LSTM skips oneDNN
     x = torch.randn(5, 2, 4, dtype=torch.float64)
     torch.manual_seed(3)
