@@ -248,3 +248,20 @@ def test_autocast_runs_pytorchs_op(kind: type[nn.Module]) -> None:
         (fused, _), mode = _run(model, x, True)
     fused.float().sum().backward()
     assert mode.fused == 0 and fused.dtype == plain.dtype and torch.equal(plain, fused)
+
+
+def test_micro_batches_backward_in_any_order() -> None:
+    """Gradient accumulation: two forwards, then their backwards in reverse order."""
+    torch.manual_seed(0)
+    model = _Tagger(nn.LSTM)
+    xs = [torch.randn(4, 12, 16) for _ in range(2)]
+    for x in xs:
+        model(x).square().mean().backward()
+    exact = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    ctl = memctl.Controller(model, bits=8, calibration_fraction=0.0, monitor_interval_s=0)
+    losses = [model(x).square().mean() for x in xs]
+    for loss in reversed(losses):
+        loss.backward()
+    ctl.detach()
+    assert _cos([p.grad for p in model.parameters() if p.grad is not None], exact) > 0.9999
