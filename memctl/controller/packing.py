@@ -6,8 +6,9 @@ equals ``t`` up to the layer's codec error, with ``t``'s shape, dtype and device
 NOTE [ What is compressed ]
 - Parameters and buffers (recognised by their storage) are saved as they are: they
   change only in the optimizer step, after the backward pass has read them.
-- Non-float tensors (max-pool indices, bool masks, targets) go to the lossless codec.
-- Float tensors below ``min_numel`` values are copied, not compressed.
+- Non-float tensors (max-pool indices, bool masks) go to the lossless codec; below
+  ``min_numel`` values (a loss's targets) they are held as they are, version-checked.
+- Float tensors below ``min_numel`` values are held as they are (detached, version-checked).
 - Log-softmax outputs (inside or outside the model's forward) are stored as their
   probabilities at ``log_prob_bits`` (NOTE [ Log-probabilities ] in logprobs.py): their
   backward exponentiates them, so quantising the log-probabilities themselves would make
@@ -1099,6 +1100,9 @@ class Packer:
         rec.tensors += 1
         nbytes = t.nbytes
         if not t.is_floating_point():
+            if t.numel() < self._config.min_numel:  # as a small float tensor is: held, version-checked
+                rec.other_bytes += nbytes
+                return Saved(t.detach(), t)
             try:
                 p = self._codec("lossless").encode(t)
             except Exception as exc:  # see NOTE [ Codec fallback ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -104,7 +105,7 @@ def test_non_float_lossless_small_passthrough_and_dedup() -> None:
     _train_step(model, opt)
     s = ctl.stats()
     assert s["packed_bytes"] == s["raw_bytes"]  # every float passed through
-    assert s["other_bytes"] > 0  # max-pool indices and targets kept lossless
+    assert s["other_bytes"] > 0  # max-pool indices and targets, held as they are (below min_numel)
     ctl.detach()
 
     model = CNN()
@@ -326,3 +327,25 @@ def test_monitor_runs_with_the_controller() -> None:
     monitor = ctl._monitor
     ctl.detach()
     assert ctl._monitor is None and not monitor.running
+
+
+def test_a_small_integer_tensor_is_held_as_it_is() -> None:
+    """A loss's targets (below ``min_numel``): the tensor itself, no lossless encode, version-checked."""
+    model = MLP()
+    ctl, _ = _controller(model)
+    x, y = batch_for(model)
+    encodes = [0]
+    codec = ctl._packer._codec("lossless")
+    inner = codec.encode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        encodes[0] += 1
+        return inner(*args, **kwargs)
+
+    codec.encode = counted  # type: ignore[method-assign]
+    loss = loss_for(model, model(x), y)
+    y.add_(0)  # bumps the version: autograd's in-place check fires, as without memctl
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert encodes[0] == 0
+    ctl.detach()
