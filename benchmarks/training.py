@@ -2,10 +2,11 @@
 
 Four models (a 4-block residual CNN, batch 32, 3x48x48; a 4-layer transformer LM, d 256,
 seq 256, batch 16; a 2-layer GRU, seq 48; a 3-layer MLP, batch 64), and, when asked for with
-``--models``, torchvision's ResNet-18 (batch 32, 3x64x64, checkpointed per residual stage)
-and a 4-layer Hugging Face GPT-2 (d 256, seq 256, batch 8, checkpointed by transformers'
-own ``gradient_checkpointing_enable``), each trained for a few steps with the same data and
-seed under each method, every (model, method) pair in its own process:
+``--models``, the GRU's shape with LSTM layers (``lstm``), torchvision's ResNet-18 (batch
+32, 3x64x64, checkpointed per residual stage) and a 4-layer Hugging Face GPT-2 (d 256, seq
+256, batch 8, checkpointed by transformers' own ``gradient_checkpointing_enable``), each
+trained for a few steps with the same data and seed under each method, every (model, method)
+pair in its own process:
 
 - ``plain``: PyTorch as it is.
 - ``memctl``: ``Controller(model, optimizer, bits=2)``, the default policy at 2 bits.
@@ -72,6 +73,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODELS = ("cnn", "transformer", "gru", "mlp")
+EXTRA = ("lstm",)
+"""Models of this file run only when asked for (``--models lstm``)."""
 EXTERNAL = ("resnet18", "gpt2")
 """Models from torchvision and transformers, run when asked for (``--models resnet18,gpt2``)."""
 METHODS = ("plain", "memctl", "memctl-default", "memctl-budget", "checkpoint", "save_on_cpu")
@@ -127,6 +130,15 @@ class _GRULayer(nn.Module):
         return self.gru(x)[0]  # type: ignore[no-any-return]
 
 
+class _LSTMLayer(nn.Module):
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d_in, d, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]  # type: ignore[no-any-return]
+
+
 class _Last(nn.Module):
     def __init__(self, d: int, classes: int) -> None:
         super().__init__()
@@ -164,6 +176,11 @@ def build(name: str, scale: int = 1) -> tuple[_Chain | _External, Batch]:
         model = _Chain(nn.Linear(32, d), [_GRULayer(d, d) for _ in range(2)], _Last(d, 10))
         return model, lambda g: (torch.randn(32 * scale, seq, 32, generator=g),
                                  torch.randint(0, 10, (32 * scale,), generator=g))
+    if name == "lstm":  # the GRU's shape with LSTM layers (a float32 CPU LSTM runs on oneDNN)
+        d, seq = 128, 48
+        model = _Chain(nn.Linear(32, d), [_LSTMLayer(d, d) for _ in range(2)], _Last(d, 10))
+        return model, lambda g: (torch.randn(32 * scale, seq, 32, generator=g),
+                                 torch.randint(0, 10, (32 * scale,), generator=g))
     if name == "mlp":
         model = _Chain(
             nn.Flatten(),
@@ -174,7 +191,7 @@ def build(name: str, scale: int = 1) -> tuple[_Chain | _External, Batch]:
                                  torch.randint(0, 10, (64 * scale,), generator=g))
     if name in EXTERNAL:
         return _external(name, scale)
-    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS + EXTERNAL)}")
+    raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS + EXTRA + EXTERNAL)}")
 
 
 class _Checkpointed(nn.Module):

@@ -61,8 +61,8 @@ class ControllerConfig:
         keep_inputs: save the model's own input tensors by reference instead of compressing
             them (NOTE [ Model inputs ]); on by default.
         fused_rnn: run a CPU ``nn.GRU``/``nn.LSTM``/``nn.RNN`` as one autograd function per layer that
-            saves its input and output sequences, not the cell's tensors of every time step
-            (NOTE [ Fused recurrent layers ] in recurrent.py); on by default.
+            saves its sequences, not the cell's tensors of every time step (NOTE [ Fused
+            recurrent layers ] in recurrent.py); on by default.
         pause_collector: pause Python's automatic garbage collection from a forward's start
             to its backward's end (NOTE [ Collector paused while records live ]); on by
             default, and only while the collector was enabled.

@@ -5,28 +5,38 @@ On a CPU, ``nn.GRU`` and ``nn.RNN`` run as one op per call (``torch.gru``,
 ``torch.rnn_tanh``) whose autograd graph is the cell written out for every time step: a
 2-layer GRU over 48 steps saves ~870 tensors of one batch row each (gate results, their
 products, slices; an RNN ~3 a step), each a pack and an unpack through memctl's Python
-hooks, and those per-op records at 2 bits left the GRU's weight gradient ~37% off the exact
-one. A float32 ``nn.LSTM`` runs on oneDNN, whose backward keeps every gate of every step in
+hooks, and those per-op records at 2 bits left the GRU's weight gradient 0.37-0.53 of its
+norm off the exact one. A float32 ``nn.LSTM`` runs on oneDNN, whose backward keeps every gate of every step in
 a byte workspace that memctl can only hold as it is (23 MiB of the 25 MiB a 2-layer LSTM of
 128 over 48 steps at batch 32 saves). What a layer's backward needs is less: its input
-sequence ``x`` and its output sequence ``h`` (an LSTM its initial cell too). From those every
-gate is recomputed at once (two matmuls over the whole sequence), and the backward through
-time is a loop of a few ops a step whose weight gradients are three matmuls after it, as
-cuDNN's own fused RNN does with its reserve.
+sequence ``x`` and its initial state, and, to avoid running the layer again, its output
+sequence ``h``.
 
 So inside an attached ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (a torch-function mode pushed by its
-pre-hook and popped by its post-hook: the module is untouched) its op is run
-per layer and direction as a :class:`torch.autograd.Function` that computes the forward
-without a graph and saves ``x``, ``h0`` (``c0``) and the output: memctl compresses two
-sequence-sized records a layer. The LSTM's cell sequence is not saved: its backward
-recomputes it from the recomputed gates (one ``addcmul`` a step). The outputs, the final
-states, the dropout between layers and the RNG it draws are PyTorch's; the gradients match
-PyTorch's to float rounding when the records are exact (``tests/controller/test_recurrent.py``).
-A backward asked to build a graph (``create_graph=True``) recomputes the layer through
-PyTorch's own op instead, so gradients of gradients stay exact in form.
-The output is saved, as cuDNN's and oneDNN's fused layers save it: changed in place before
-the backward, it raises autograd's in-place error, as PyTorch's own LSTM on a CPU and either
-layer on a GPU do (PyTorch's CPU GRU and RNN save none).
+pre-hook and popped by its post-hook: the module is untouched) its op runs per layer and
+direction as a :class:`torch.autograd.Function` whose forward is PyTorch's op without a
+graph:
+
+- GRU and RNN: it saves ``x``, ``h0`` and the output, two sequence-sized records a layer.
+  The backward recomputes every gate (pre-activation) from them at once, two matmuls over
+  the whole sequence, runs through time in 3-5 ops a step, and ends with three matmuls for
+  the weight gradients, as cuDNN's fused RNN does with its reserve. About as fast as
+  PyTorch's op on the GRU of ``benchmarks/training.py``.
+- LSTM: it saves ``x``, ``h0`` and ``c0``, one sequence-sized record a layer, and the
+  backward runs the layer again from them through PyTorch's op (oneDNN) with a graph, its
+  saved tensors held as they are for that moment. That was faster here than the GRU's way
+  written for the LSTM (1.34x against 1.77x PyTorch's op alone, per layer: oneDNN's forward
+  is quick, and its backward is fused where a loop in Python is not), and the gradient then
+  carries the rounding of ``x`` alone.
+
+The outputs, the final states, the dropout between layers and the RNG it draws are
+PyTorch's; the gradients match PyTorch's to float rounding when the records are exact
+(``tests/controller/test_recurrent.py``). A backward asked to build a graph
+(``create_graph=True``) recomputes a GRU or RNN layer through PyTorch's op as well, so
+gradients of gradients stay exact in form. A GRU's and an RNN's output is saved, as cuDNN
+and oneDNN save theirs: changed in place before the backward, it raises autograd's in-place
+error, as PyTorch's own LSTM on a CPU and every RNN on a GPU do (PyTorch's CPU GRU and RNN
+save none). An LSTM's output is not saved, and changing it in place is harmless.
 
 What stays on PyTorch's path: packed sequences, LSTM projections (``proj_size``), dtypes
 other than float32/float64, devices other than the CPU (cuDNN and MIOpen already fuse the
@@ -37,6 +47,7 @@ without gradients, under autocast or under a ``torch.func`` transform.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -249,13 +260,28 @@ def _time_major(t: torch.Tensor, reverse: bool) -> torch.Tensor:
     return t.flip(0) if reverse else t
 
 
-def _replayed(ctx: Any, fn: Any, inputs: tuple[Any, ...], grads: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The gradients of a layer recomputed through PyTorch's op, as a graph (``create_graph``)."""
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _replayed(ctx: Any, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tuple[Any, ...],
+              grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The gradients of a layer recomputed through PyTorch's op, ``fn(*inputs)``. Under
+    ``create_graph`` (grad mode on in the backward) they are a graph of the saved tensors;
+    otherwise the layer is recomputed from detached copies with its saved tensors held as they
+    are (memctl's own hooks, still on autograd's stack, would pack them)."""
+    create = torch.is_grad_enabled()
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and ctx.needs_input_grad[i]]
-    outs = fn()
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
-    got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
-                              create_graph=True, allow_unused=True)
+    if not create:
+        inputs = tuple(t.detach().requires_grad_(i in wanted) if isinstance(t, torch.Tensor) else t
+                       for i, t in enumerate(inputs))
+    with torch.enable_grad(), contextlib.ExitStack() as stack:
+        if not create:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        outs = fn(*inputs)
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+        got = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                  create_graph=create, allow_unused=True)
     result: list[Any] = [None] * len(inputs)
     for i, g in zip(wanted, got, strict=True):
         result[i] = g
@@ -281,14 +307,12 @@ class _GRULayer(torch.autograd.Function):
         x, h0, out, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
         reverse = ctx.reverse
         if torch.is_grad_enabled():  # create_graph: through PyTorch's op
-            inputs = (x, h0, None, w_ih, w_hh, b_ih, b_hh)
-
-            def again() -> tuple[torch.Tensor]:
-                y = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
-                              b_ih is not None, 1, 0.0, False, False, False)[0]
+            def again(x: Any, h0: Any, _: Any, *w: Any) -> tuple[torch.Tensor]:
+                y = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(*w), w[2] is not None,
+                              1, 0.0, False, False, False)[0]
                 return (_time_major(y, reverse),)
 
-            return _replayed(ctx, again, inputs, (gout,))
+            return _replayed(ctx, again, (x, h0, None, w_ih, w_hh, b_ih, b_hh), (gout,))
         xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
         steps, batch, hidden = hs.shape
         hp = torch.cat([h0.unsqueeze(0), hs[:-1]])  # the state each step read
@@ -332,79 +356,39 @@ class _GRULayer(torch.autograd.Function):
 
 
 class _LSTMLayer(torch.autograd.Function):
-    """One LSTM layer and direction over a time-major sequence (NOTE [ Fused recurrent layers ])."""
+    """One LSTM layer and direction over a time-major sequence (NOTE [ Fused recurrent layers ]):
+    its input saved, the layer recomputed from it through PyTorch's op in the backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, reverse: bool,
                 w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: torch.Tensor | None,
                 b_hh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            out, _, c_last = torch.lstm(_time_major(x, reverse), (h0.unsqueeze(0), c0.unsqueeze(0)),
-                                        _weights(w_ih, w_hh, b_ih, b_hh), b_ih is not None, 1, 0.0,
-                                        False, False, False)
-        out = _time_major(out, reverse)
-        ctx.save_for_backward(x, h0, c0, out, w_ih, w_hh, b_ih, b_hh)
+            out, _, c_last = _lstm(x, h0, c0, reverse, False, w_ih, w_hh, b_ih, b_hh)
+        ctx.save_for_backward(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
         ctx.reverse = reverse
-        return out, c_last[0]
+        return out, c_last
 
     @staticmethod
     def backward(ctx: Any, gout: torch.Tensor, gc: torch.Tensor | None) -> tuple[Any, ...]:
-        x, h0, c0, out, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        x, h0, c0, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
         reverse = ctx.reverse
-        if torch.is_grad_enabled():  # create_graph: through PyTorch's op
-            inputs = (x, h0, c0, None, w_ih, w_hh, b_ih, b_hh)
 
-            def again() -> tuple[torch.Tensor, torch.Tensor]:
-                y, _, c = torch.lstm(_time_major(x, reverse), (h0.unsqueeze(0), c0.unsqueeze(0)),
-                                     _weights(w_ih, w_hh, b_ih, b_hh), b_ih is not None, 1, 0.0,
-                                     False, False, False)
-                return _time_major(y, reverse), c[0]
+        def again(x: Any, h0: Any, c0: Any, _: Any, *w: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            out, _, c_last = _lstm(x, h0, c0, reverse, True, *w)
+            return out, c_last
 
-            return _replayed(ctx, again, inputs, (gout, gc))
-        xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
-        steps, batch, hidden = hs.shape
-        hp = torch.cat([h0.unsqueeze(0), hs[:-1]])
-        pre = _affine(xs, w_ih, b_ih).add_(_affine(hp, w_hh, b_hh)).view(steps, batch, 4, hidden)
-        ifo = torch.sigmoid(pre[:, :, (0, 1, 3)])
-        i, f, o = ifo[:, :, 0], ifo[:, :, 1], ifo[:, :, 2]
-        gg = torch.tanh(pre[:, :, 2])
-        del pre
-        # the cell sequence, recomputed from the gates (not saved)
-        cells = torch.empty(steps + 1, batch, hidden, dtype=hs.dtype)
-        cells[0] = c0
-        ig = i * gg
-        for t in range(steps):
-            torch.addcmul(ig[t], f[t], cells[t], out=cells[t + 1])
-        cp, c = cells[:-1], cells[1:]
-        tc = torch.tanh(c)
-        k = o * (1 - tc * tc)  # dc/dh through h = o tanh(c)
-        coef = torch.empty(steps, batch, 3, hidden, dtype=hs.dtype)  # (i, f, g) pre-activations per dc
-        torch.mul(gg, i * (1 - i), out=coef[:, :, 0])
-        torch.mul(cp, f * (1 - f), out=coef[:, :, 1])
-        torch.mul(i, 1 - gg * gg, out=coef[:, :, 2])
-        co = tc * o * (1 - o)  # the o pre-activation per dh
-        del ig, cells, cp, c, tc
-        dpre = torch.empty(steps, batch, 4, hidden, dtype=hs.dtype)
-        coefs, cos_, ks, fs = coef.unbind(0), co.unbind(0), k.unbind(0), f.unbind(0)
-        gs, dpres = g.contiguous().unbind(0), dpre.unbind(0)
-        carry_h: torch.Tensor | None = None
-        carry_c = gc if gc is not None else torch.zeros_like(c0)
-        for t in range(steps - 1, -1, -1):
-            dh = gs[t] if carry_h is None else gs[t] + carry_h
-            dc = torch.addcmul(carry_c, dh, ks[t])
-            d = dpres[t]
-            torch.mul(coefs[t], dc.unsqueeze(1), out=d[:, :3])
-            torch.mul(cos_[t], dh, out=d[:, 3])
-            carry_h = torch.mm(d.view(batch, 4 * hidden), w_hh)
-            carry_c = dc * fs[t]
-        flat = dpre.view(steps * batch, 4 * hidden)
-        need = ctx.needs_input_grad
-        dx = _time_major(torch.mm(flat, w_ih).view_as(xs), reverse) if need[0] else None
-        db = flat.sum(0) if need[6] or need[7] else None
-        return (dx, carry_h if need[1] else None, carry_c if need[2] else None, None,
-                torch.mm(flat.t(), xs.reshape(steps * batch, -1)) if need[4] else None,
-                torch.mm(flat.t(), hp.reshape(steps * batch, hidden)) if need[5] else None,
-                db if need[6] else None, db if need[7] else None)
+        return _replayed(ctx, again, (x, h0, c0, None, w_ih, w_hh, b_ih, b_hh), (gout, gc))
+
+
+def _lstm(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, reverse: bool, train: bool, *w: Any
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer and direction of ``torch.lstm``: the output sequence (in ``x``'s time order), the
+    final state and the final cell. ``train`` (no dropout in one layer) makes oneDNN keep what its
+    backward needs."""
+    out, h_last, c_last = torch.lstm(_time_major(x, reverse), (h0.unsqueeze(0), c0.unsqueeze(0)),
+                                     _weights(*w), w[2] is not None, 1, 0.0, train, False, False)
+    return _time_major(out, reverse), h_last[0], c_last[0]
 
 
 class _RNNLayer(torch.autograd.Function):
@@ -429,14 +413,12 @@ class _RNNLayer(torch.autograd.Function):
         reverse, relu = ctx.reverse, ctx.relu
         op = torch.rnn_relu if relu else torch.rnn_tanh
         if torch.is_grad_enabled():  # create_graph: through PyTorch's op
-            inputs = (x, h0, None, None, w_ih, w_hh, b_ih, b_hh)
-
-            def again() -> tuple[torch.Tensor]:
-                y = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
-                       b_ih is not None, 1, 0.0, False, False, False)[0]
+            def again(x: Any, h0: Any, _: Any, __: Any, *w: Any) -> tuple[torch.Tensor]:
+                y = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(*w), w[2] is not None,
+                       1, 0.0, False, False, False)[0]
                 return (_time_major(y, reverse),)
 
-            return _replayed(ctx, again, inputs, (gout,))
+            return _replayed(ctx, again, (x, h0, None, None, w_ih, w_hh, b_ih, b_hh), (gout,))
         xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
         steps, batch, hidden = hs.shape
         hp = torch.cat([h0.unsqueeze(0), hs[:-1]])

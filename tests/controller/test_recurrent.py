@@ -206,18 +206,29 @@ def test_fused_rnn_must_be_a_bool() -> None:
         memctl.Controller(nn.GRU(2, 3), fused_rnn="no")
 
 
-def test_an_output_changed_in_place_raises_as_pytorchs_fused_layers_do() -> None:
-    """The output is saved, as oneDNN's LSTM (PyTorch's own, on a CPU) saves it."""
+def test_an_output_changed_in_place() -> None:
+    """A GRU's output is saved (as cuDNN saves it): changed in place, autograd's error. An LSTM's
+    is not (its backward recomputes the layer from its input): the gradient stays PyTorch's."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)
-    for kind in (nn.GRU, nn.LSTM):
-        model = _Tagger(kind)
-        ctl = memctl.Controller(model, bits=2, calibration_fraction=0.0, monitor_interval_s=0)
-        out = model.rnn(x)[0]
-        out.mul_(2)
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            out.sum().backward()
-        ctl.detach()
+    model = _Tagger(nn.GRU)
+    ctl = memctl.Controller(model, bits=2, calibration_fraction=0.0, monitor_interval_s=0)
+    out = model.rnn(x)[0]
+    out.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    ctl.detach()
+
+    lstm = nn.LSTM(16, 32, batch_first=True).double()
+    xd = x.double()
+    expected = torch.autograd.grad(lstm(xd)[0].mul(2).square().sum(), list(lstm.parameters()))
+    with RecurrentMode() as mode:
+        out = lstm(xd)[0]
+    out.mul_(2)
+    got = torch.autograd.grad(out.square().sum(), list(lstm.parameters()))
+    assert mode.fused == 1
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a)
 
 
 def test_torch_func_transforms_run_pytorchs_op() -> None:
