@@ -121,22 +121,13 @@ class _CausalLayer(nn.Module):
         return self.layer(x, src_mask=self.mask, is_causal=True)  # type: ignore[no-any-return]
 
 
-class _GRULayer(nn.Module):
-    def __init__(self, d_in: int, d: int) -> None:
+class _RecurrentLayer(nn.Module):
+    def __init__(self, kind: type[nn.GRU] | type[nn.LSTM], d_in: int, d: int) -> None:
         super().__init__()
-        self.gru = nn.GRU(d_in, d, batch_first=True)
+        self.rnn = kind(d_in, d, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gru(x)[0]  # type: ignore[no-any-return]
-
-
-class _LSTMLayer(nn.Module):
-    def __init__(self, d_in: int, d: int) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(d_in, d, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lstm(x)[0]  # type: ignore[no-any-return]
+        return self.rnn(x)[0]  # type: ignore[no-any-return]
 
 
 class _Last(nn.Module):
@@ -173,12 +164,12 @@ def build(name: str, scale: int = 1) -> tuple[_Chain | _External, Batch]:
                                  torch.randint(0, vocab, (16 * scale * seq,), generator=g))
     if name == "gru":
         d, seq = 128, 48
-        model = _Chain(nn.Linear(32, d), [_GRULayer(d, d) for _ in range(2)], _Last(d, 10))
+        model = _Chain(nn.Linear(32, d), [_RecurrentLayer(nn.GRU, d, d) for _ in range(2)], _Last(d, 10))
         return model, lambda g: (torch.randn(32 * scale, seq, 32, generator=g),
                                  torch.randint(0, 10, (32 * scale,), generator=g))
     if name == "lstm":  # the GRU's shape with LSTM layers (a float32 CPU LSTM runs on oneDNN)
         d, seq = 128, 48
-        model = _Chain(nn.Linear(32, d), [_LSTMLayer(d, d) for _ in range(2)], _Last(d, 10))
+        model = _Chain(nn.Linear(32, d), [_RecurrentLayer(nn.LSTM, d, d) for _ in range(2)], _Last(d, 10))
         return model, lambda g: (torch.randn(32 * scale, seq, 32, generator=g),
                                  torch.randint(0, 10, (32 * scale,), generator=g))
     if name == "mlp":
