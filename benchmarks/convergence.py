@@ -21,6 +21,7 @@ batches, once per configuration and seed, each in its own process:
             embedding of 128, two LSTM layers of 256, a linear head; AdamW lr 2e-3): a
             recurrent model, whose layers memctl runs fused (NOTE [ Fused recurrent
             layers ]). Not in the default ``--tasks``.
+    text-gru   the same with GRU layers. Not in the default ``--tasks``.
 
 ``--schedule cosine`` decays every configuration's learning rate to zero over the run
 (``CosineAnnealingLR``, as ``memctl demo`` does by default) instead of keeping it constant. At a constant rate
@@ -66,7 +67,7 @@ JITTER = ("jitter0", "jitter1", "jitter2")
 """Plain training with isotropic Gaussian noise added to every step's gradient (``--jitter``,
 its expected squared norm; the digit seeds the noise): how far a perturbation of the size
 memctl adds moves the result on its own. Not in the default ``--configs``."""
-TASKS = ("digits", "text", "text-lstm")
+TASKS = ("digits", "text", "text-lstm", "text-gru")
 DEFAULT_TASKS = ("digits", "text")
 SCHEDULES = ("constant", "cosine")
 TARGET = "target (issue 14): validation loss within 2% of plain's at the default policy and at bits=2"
@@ -123,13 +124,14 @@ class CausalLM(nn.Module):
         return self.head(self.norm(x))
 
 
-class LSTMLM(nn.Module):
-    """A byte-level LSTM language model (embedding, stacked LSTM, linear head)."""
+class RecurrentLM(nn.Module):
+    """A byte-level recurrent language model (embedding, stacked LSTM or GRU, linear head)."""
 
-    def __init__(self, vocab: int = 128, d: int = 128, hidden: int = 256, layers: int = 2) -> None:
+    def __init__(self, kind: type[nn.LSTM] | type[nn.GRU] = nn.LSTM, vocab: int = 128, d: int = 128,
+                 hidden: int = 256, layers: int = 2) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.rnn = nn.LSTM(d, hidden, num_layers=layers, batch_first=True)
+        self.rnn = kind(d, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -181,8 +183,8 @@ class Task:
             ctx, batch = 64, 16
             tr = torch.frombuffer(bytearray(train), dtype=torch.uint8).long()
             va = torch.frombuffer(bytearray(val), dtype=torch.uint8).long()
-            if name == "text-lstm":
-                self.model = LSTMLM()
+            if name in ("text-lstm", "text-gru"):
+                self.model = RecurrentLM(nn.LSTM if name == "text-lstm" else nn.GRU)
                 self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3, weight_decay=0.01)
             else:
                 self.model = CausalLM(layers=3, ctx=ctx)
