@@ -276,3 +276,36 @@ def test_micro_batches_backward_in_any_order() -> None:
         loss.backward()
     ctl.detach()
     assert _cos([p.grad for p in model.parameters() if p.grad is not None], exact) > 0.9999
+
+
+class _AfterReLU(nn.Module):
+    def __init__(self, kind: Callable[..., nn.Module]) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(16, 32), nn.ReLU()
+        self.rnn, self.head = kind(32, 32, batch_first=True), nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.rnn(self.act(self.lin(x)))[0])
+        return out
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=KIND_IDS)
+def test_a_relu_result_read_by_a_fused_layer(kind: Callable[..., nn.Module]) -> None:
+    """The layer's input is a ReLU's result, whose record serves readers by their node (NOTE [
+    Unbiased reads of a ReLU result ]): the fused layer's backward gets the result itself."""
+    torch.manual_seed(0)
+    model = _AfterReLU(kind)
+    x, y = torch.randn(8, 12, 16), torch.randint(0, 5, (8, 12))
+    nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    exact = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
+                            monitor_interval_s=0, min_numel=0)
+    for _ in range(2):  # the second step's records are made with the first forward's hints
+        nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+        assert _cos(got, exact) > 0.9999
+    ctl.detach()
