@@ -186,22 +186,6 @@ def _stack(args: Sequence[Any], layer_fn: LayerFn) -> tuple[torch.Tensor, torch.
     return (seq.transpose(0, 1) if batch_first else seq), torch.stack(finals), cells
 
 
-def fused_gru(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``torch.gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-    batch_first)`` run fused, or None where PyTorch's op must run (NOTE [ Fused recurrent layers ])."""
-    if len(args) != 9 or not isinstance(args[2], (list, tuple)):
-        return None  # a packed sequence: (data, batch_sizes, hx, params, ...)
-    x, hx, params, has_biases, layers, _, _, bidirectional, _ = args
-    if not _supported(x, (hx,), params, bool(has_biases), int(layers), 2 if bidirectional else 1, 3):
-        return None
-
-    def layer(seq: torch.Tensor, index: int, reverse: bool, w: _Weights) -> tuple[Any, None]:
-        return _GRULayer.apply(seq, hx[index], reverse, *w), None
-
-    out, finals, _ = _stack(args, layer)
-    return out, finals
-
-
 def fused_lstm(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``torch.lstm(input, (h0, c0), params, ...)`` run fused, or None (NOTE [ Fused recurrent layers ])."""
     if len(args) != 9 or not isinstance(args[1], (list, tuple)) or not isinstance(args[2], (list, tuple)):
@@ -222,18 +206,22 @@ def fused_lstm(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return out, finals, torch.stack(cells)
 
 
-def _fused_simple(relu: bool) -> Callable[[Sequence[Any]], tuple[torch.Tensor, torch.Tensor] | None]:
-    """``torch.rnn_tanh``/``torch.rnn_relu`` (``nn.RNN``; the same arguments as ``torch.gru``) run fused."""
+def _fused_single(gates: int, apply: Callable[[torch.Tensor, torch.Tensor, bool, _Weights], torch.Tensor]
+                  ) -> Callable[[Sequence[Any]], tuple[torch.Tensor, torch.Tensor] | None]:
+    """``torch.gru``/``torch.rnn_tanh``/``torch.rnn_relu(input, hx, params, has_biases, num_layers,
+    dropout, train, bidirectional, batch_first)`` run fused, each layer and direction by
+    ``apply(seq, h0, reverse, weights)``, or None where PyTorch's op must run (NOTE [ Fused
+    recurrent layers ])."""
 
     def fused(args: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
         if len(args) != 9 or not isinstance(args[2], (list, tuple)):
-            return None
+            return None  # a packed sequence: (data, batch_sizes, hx, params, ...)
         x, hx, params, has_biases, layers, _, _, bidirectional, _ = args
-        if not _supported(x, (hx,), params, bool(has_biases), int(layers), 2 if bidirectional else 1, 1):
+        if not _supported(x, (hx,), params, bool(has_biases), int(layers), 2 if bidirectional else 1, gates):
             return None
 
         def layer(seq: torch.Tensor, index: int, reverse: bool, w: _Weights) -> tuple[Any, None]:
-            return _RNNLayer.apply(seq, hx[index], reverse, relu, *w), None
+            return apply(seq, hx[index], reverse, w), None
 
         out, finals, _ = _stack(args, layer)
         return out, finals
@@ -241,9 +229,12 @@ def _fused_simple(relu: bool) -> Callable[[Sequence[Any]], tuple[torch.Tensor, t
     return fused
 
 
+fused_gru = _fused_single(3, lambda seq, h0, reverse, w: _GRULayer.apply(seq, h0, reverse, *w))
+
 _FUSED: dict[Any, Callable[[Sequence[Any]], Any]] = {
     torch.gru: fused_gru, torch.lstm: fused_lstm,
-    torch.rnn_tanh: _fused_simple(False), torch.rnn_relu: _fused_simple(True),
+    torch.rnn_tanh: _fused_single(1, lambda seq, h0, rev, w: _RNNLayer.apply(seq, h0, rev, False, *w)),
+    torch.rnn_relu: _fused_single(1, lambda seq, h0, rev, w: _RNNLayer.apply(seq, h0, rev, True, *w)),
 }
 
 
@@ -272,7 +263,9 @@ def _replayed(ctx: Any, fn: Callable[..., tuple[torch.Tensor, ...]], inputs: tup
     """The gradients of a layer recomputed through PyTorch's op, ``fn(*inputs)``. Under
     ``create_graph`` (grad mode on in the backward) they are a graph of the saved tensors;
     otherwise the layer is recomputed from detached copies with its saved tensors held as they
-    are (memctl's own hooks, still on autograd's stack, would pack them)."""
+    are, whatever saved-tensor hooks are on autograd's stack (memctl's passes a tensor saved
+    inside a backward through anyway; a user's ``save_on_cpu`` would move them to the host and
+    back for a graph that lives only in this backward)."""
     create = torch.is_grad_enabled()
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and ctx.needs_input_grad[i]]
     if not create:
@@ -298,9 +291,7 @@ class _GRULayer(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, reverse: bool, w_ih: torch.Tensor,
                 w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> torch.Tensor:
         with torch.no_grad():
-            out = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
-                            b_ih is not None, 1, 0.0, False, False, False)[0]
-        out = _time_major(out, reverse)
+            out = _single(torch.gru, x, h0, reverse, w_ih, w_hh, b_ih, b_hh)
         ctx.save_for_backward(x, h0, out, w_ih, w_hh, b_ih, b_hh)
         ctx.reverse = reverse
         return out
@@ -311,9 +302,7 @@ class _GRULayer(torch.autograd.Function):
         reverse = ctx.reverse
         if torch.is_grad_enabled():  # create_graph: through PyTorch's op
             def again(x: Any, h0: Any, _: Any, *w: Any) -> tuple[torch.Tensor]:
-                y = torch.gru(_time_major(x, reverse), h0.unsqueeze(0), _weights(*w), w[2] is not None,
-                              1, 0.0, False, False, False)[0]
-                return (_time_major(y, reverse),)
+                return (_single(torch.gru, x, h0, reverse, *w),)
 
             return _replayed(ctx, again, (x, h0, None, w_ih, w_hh, b_ih, b_hh), (gout,))
         xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)
@@ -384,6 +373,14 @@ class _LSTMLayer(torch.autograd.Function):
         return _replayed(ctx, again, (x, h0, c0, None, w_ih, w_hh, b_ih, b_hh), (gout, gc))
 
 
+def _single(op: Any, x: torch.Tensor, h0: torch.Tensor, reverse: bool, *w: Any) -> torch.Tensor:
+    """One layer and direction of ``torch.gru``/``torch.rnn_tanh``/``torch.rnn_relu`` (``op``): the
+    output sequence, in ``x``'s time order."""
+    out = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(*w), w[2] is not None, 1, 0.0, False, False,
+             False)[0]
+    return _time_major(out, reverse)
+
+
 def _lstm(x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, reverse: bool, train: bool, *w: Any
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One layer and direction of ``torch.lstm``: the output sequence (in ``x``'s time order), the
@@ -401,11 +398,8 @@ class _RNNLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, h0: torch.Tensor, reverse: bool, relu: bool, w_ih: torch.Tensor,
                 w_hh: torch.Tensor, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> torch.Tensor:
-        op = torch.rnn_relu if relu else torch.rnn_tanh
         with torch.no_grad():
-            out = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(w_ih, w_hh, b_ih, b_hh),
-                     b_ih is not None, 1, 0.0, False, False, False)[0]
-        out = _time_major(out, reverse)
+            out = _single(torch.rnn_relu if relu else torch.rnn_tanh, x, h0, reverse, w_ih, w_hh, b_ih, b_hh)
         # a ReLU's derivative from its exact region, as ReLU's own mask (1 bit a value, lossless)
         region = out > 0 if relu else None
         ctx.save_for_backward(x, h0, out, region, w_ih, w_hh, b_ih, b_hh)
@@ -419,9 +413,7 @@ class _RNNLayer(torch.autograd.Function):
         op = torch.rnn_relu if relu else torch.rnn_tanh
         if torch.is_grad_enabled():  # create_graph: through PyTorch's op
             def again(x: Any, h0: Any, _: Any, __: Any, *w: Any) -> tuple[torch.Tensor]:
-                y = op(_time_major(x, reverse), h0.unsqueeze(0), _weights(*w), w[2] is not None,
-                       1, 0.0, False, False, False)[0]
-                return (_time_major(y, reverse),)
+                return (_single(op, x, h0, reverse, *w),)
 
             return _replayed(ctx, again, (x, h0, None, None, w_ih, w_hh, b_ih, b_hh), (gout,))
         xs, hs, g = _time_major(x, reverse), _time_major(out, reverse), _time_major(gout, reverse)

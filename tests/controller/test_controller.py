@@ -329,7 +329,7 @@ def test_monitor_runs_with_the_controller() -> None:
     assert ctl._monitor is None and not monitor.running
 
 
-def test_a_small_integer_tensor_is_held_as_it_is() -> None:
+def test_a_small_integer_tensor_is_held_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     """A loss's targets (below ``min_numel``): the tensor itself, no lossless encode, version-checked."""
     model = MLP()
     ctl, _ = _controller(model)
@@ -342,7 +342,7 @@ def test_a_small_integer_tensor_is_held_as_it_is() -> None:
         encodes[0] += 1
         return inner(*args, **kwargs)
 
-    codec.encode = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(codec, "encode", counted)
     loss = loss_for(model, model(x), y)
     y.add_(0)  # bumps the version: autograd's in-place check fires, as without memctl
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
