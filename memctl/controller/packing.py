@@ -26,6 +26,17 @@ autograd's in-place error as PyTorch would (NOTE [ In-place checks ]). Until 202
 those were copied too: a launch each on a GPU (a batch norm's mean and inverse standard
 deviation, two a batch norm and step; a LayerNorm's row statistics), and the memory twice.
 
+NOTE [ Small views of large tensors ]
+A small tensor held as it is keeps its whole storage alive. When it is a view of a much
+larger tensor that nothing else keeps (a classifier reads the first token of the last
+norm's output, ``x[:, 0]``: a ViT's head saves 3,072 values of a 52,224-value output,
+and plain PyTorch keeps all of them until the backward), holding the view would keep
+the large tensor too. So a small tensor whose storage holds more than twice its own
+bytes and at least :data:`_PIN_SURPLUS` bytes more is held as a copy of its own values
+(:func:`_held_small`), and its unpack checks its version while the view is alive, as a
+compressed record's does (the copy's values are those autograd saved, whatever happens
+to the large tensor later). A copy costs at most ``min_numel`` values.
+
 NOTE [ De-duplication ]
 One tensor is often saved twice in a step (a ReLU output by relu and by max_pool). A
 second save with the same storage, offset, shape, stride, dtype and version reuses the
@@ -255,6 +266,22 @@ _MOST_PLACES = 4096
 
 _Slot = tuple[str, int, int]
 """A record's layer, its place among the layer's packs in the forward, and its number of values."""
+
+_PIN_SURPLUS = 16384
+"""Bytes of storage beyond its own that a small tensor held as it is may keep alive
+(NOTE [ Small views of large tensors ])."""
+
+
+def _held_small(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """What a small tensor held as it is keeps: ``t`` detached, or a copy of its own values
+    when it is a view of a much larger storage (NOTE [ Small views of large tensors ])."""
+    if type(t) is not torch.Tensor:  # a subclass (a DTensor's storage is its shard's)
+        return t.detach()
+    whole = t.untyped_storage().nbytes()
+    if whole > 2 * nbytes and whole - nbytes >= _PIN_SURPLUS:
+        return t.detach().clone(memory_format=torch.contiguous_format)
+    return t.detach()
+
 
 _QUEUE_RECORDS = 64
 """Tensors queued before the queue is packed (NOTE [ Packs queued in the forward ])."""
@@ -1102,7 +1129,7 @@ class Packer:
         if not t.is_floating_point():
             if t.numel() < self._config.min_numel:  # as a small float tensor is: held, version-checked
                 rec.other_bytes += nbytes
-                return Saved(t.detach(), t)
+                return Saved(_held_small(t, nbytes), t)
             try:
                 p = self._codec("lossless").encode(t)
             except Exception as exc:  # see NOTE [ Codec fallback ]
@@ -1136,7 +1163,7 @@ class Packer:
             rec.packed_bytes += nbytes
             # a small tensor is held as it is (its unpack checks its version: NOTE [ In-place
             # checks ]); a copy was a launch a tensor on a GPU (a batch norm's mean and invstd)
-            return Saved(t.detach() if not exact else t.detach().clone(), t)
+            return Saved(_held_small(t, nbytes) if not exact else t.detach().clone(), t)
         rec.numels.append(numel)
         rec.element_size = t.element_size()
         part = result_partition(node)

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import memctl
 from memctl.controller.config import KEEP_BITS
@@ -404,6 +405,46 @@ def test_a_small_tensor_kept_as_it_is_is_not_copied() -> None:
         out.sum().backward()
     finally:
         ctl.detach()
+
+
+class _FirstToken(nn.Module):
+    """A classifier on the first token of a norm's output (a ViT's or BERT's head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x)[:, 0])
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_small_view_does_not_keep_its_large_tensor(attached: bool) -> None:
+    """NOTE [ Small views of large tensors ]: the head saves 32 values of the norm's 16,384
+    (below ``min_numel``: held as they are); plain PyTorch keeps the norm's output alive for
+    them, memctl a copy of the 32 alone, and the gradients are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = _FirstToken()
+    x = torch.randn(1, 512, 32)
+    outputs: list[StorageWeakRef] = []  # the storage: a view keeps it, not the tensor object
+    handle = model.norm.register_forward_hook(
+        lambda m, a, out: outputs.append(StorageWeakRef(out.untyped_storage())))
+    grads = []
+    for on in (False, attached):
+        model.zero_grad()
+        # min_numel 1024: the norm's row statistics (512 values) are held exact as well
+        ctl = _controller(model, min_numel=1024)[0] if on else None
+        loss = model(x).square().sum()
+        alive = not outputs[-1].expired()
+        loss.backward()
+        if ctl is not None:
+            ctl.detach()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    handle.remove()
+    assert alive is not attached  # without memctl the output lives into the backward
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _ExpLayer(nn.Module):
