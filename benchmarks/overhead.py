@@ -43,6 +43,17 @@ runs ``--repeat`` times, interleaved, and the run with the least CPU time is rep
     python benchmarks/overhead.py --models gru,mlp,cnn --steps 50
     python benchmarks/overhead.py --profile gru         # cProfile of memctl's steps (one process)
     python benchmarks/overhead.py --calls gru           # function calls in one step (deterministic)
+    python benchmarks/overhead.py --paired mlp          # memctl and plain stepped in turn in one process
+
+``--paired MODEL`` measures the same in one process instead: two copies of the model
+(the same weights), memctl attached to one, stepped in turn on the same batches, each
+step's thread CPU time taken; memctl's cost is the difference of each pair of steps
+(median and mean over the pairs), then the phases are timed as in ``memctl-phases`` over
+as many pairs again. Both models share the process's allocator, caches and load from one
+step to the next, so the difference carries none of what separates two processes (the
+``rest`` of the default mode is such a difference, and on a 4 ms step it moved by more than
+memctl's whole cost); the phase figures are those of the same process. Calibration is off,
+as in ``memctl``.
 
 ``--calls MODEL`` counts, with ``sys.setprofile``, the Python function calls and the calls
 into C (builtins, torch's methods) that one steady-state training step makes with memctl
@@ -463,6 +474,95 @@ def _calls(args: argparse.Namespace) -> None:
     controller.detach()
 
 
+def _paired(args: argparse.Namespace) -> None:
+    """``--paired MODEL``: memctl's cost as the difference of two copies of one model stepped in
+    turn in one process (module docstring)."""
+    _thread_budget()
+    import copy
+
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from training import build
+
+    from memctl import Controller
+
+    torch.manual_seed(0)
+    model, batch = build(args.paired)
+    twin = copy.deepcopy(model)  # before attaching: a copy of an attached model is plain anyway
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    twin_optimizer = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    controller = Controller(model, optimizer, bits=2, calibration_fraction=0.0)
+    gen = torch.Generator().manual_seed(1)
+    data = [batch(gen) for _ in range(8)]
+    loss_fn = nn.CrossEntropyLoss()
+    clock = time.thread_time
+
+    def step(m: Any, opt: Any, x: Any, y: Any) -> None:
+        loss_fn(m(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def pairs(n: int) -> tuple[list[float], list[float]]:
+        mine, theirs = [], []
+        for i in range(n):
+            x, y = data[i % len(data)]
+            t0 = clock()
+            step(model, optimizer, x, y)
+            t1 = clock()
+            step(twin, twin_optimizer, x, y)
+            t2 = clock()
+            mine.append(t1 - t0)
+            theirs.append(t2 - t1)
+        return mine, theirs
+
+    pairs(args.warmup)
+    mine, theirs = pairs(args.steps)
+    diffs = [a - b for a, b in zip(mine, theirs, strict=True)]
+    clocks = _instrument(controller)
+    pairs(args.warmup)  # the instrumented hooks are pushed when the next window opens
+    marks = {name: (c.seconds, c.calls) for name, c in clocks.items()}
+    pairs(args.steps)
+    cost = _timer_cost()
+
+    def per_step(name: str, inner: str | None = None) -> float:
+        seconds, calls = clocks[name].seconds - marks[name][0], 0
+        if inner is not None:
+            calls = clocks[inner].calls - marks[inner][1]
+        return (seconds - cost * calls) / args.steps * 1e3
+
+    n = (clocks["pack"].calls - marks["pack"][1]) / args.steps
+    pack = per_step("pack", "kernels_pack") + per_step("settle")
+    unpack = per_step("unpack", "kernels_unpack")
+    kernels = per_step("kernels_pack") + per_step("kernels_unpack")
+    boundary = per_step("step")
+    overhead = statistics.fmean(diffs) * 1e3
+    rest = overhead - pack - unpack - boundary
+    outside = overhead - kernels
+    target = 0.5 + 0.020 * n
+    print(f"{args.paired}: {n:.0f} saved tensors per step; CPU ms per step, {args.steps} pairs "
+          f"(median, mean): plain {statistics.median(theirs) * 1e3:.3f} "
+          f"{statistics.fmean(theirs) * 1e3:.3f}, memctl {statistics.median(mine) * 1e3:.3f} "
+          f"{statistics.fmean(mine) * 1e3:.3f}; memctl - plain, "
+          f"pair by pair: median {statistics.median(diffs) * 1e3:.3f}, mean {overhead:.3f}")
+    print(f"  {'phase (CPU ms per step, mean)':<36} {'total':>8} {'kernels':>8} {'else':>8} "
+          f"{'else us/t':>10}")
+    for label, total, kern, each in (
+            ("pack hook (and its queue)", pack, per_step("kernels_pack"), True),
+            ("unpack hook", unpack, per_step("kernels_unpack"), True),
+            ("step boundary (Controller.step)", boundary, 0.0, False),
+            ("rest (module hooks, ...)", rest, 0.0, False),
+            ("memctl - plain (mean of the pairs)", overhead, kernels, False)):
+        tail = f"{(total - kern) / n * 1e3:>10.1f}" if each else ""
+        print(f"  {label:<36} {total:>8.3f} {kern:>8.3f} {total - kern:>8.3f} {tail}")
+    print(f"  outside the codec kernels: {outside:.3f} ms per step; target 0.5 + 0.020 x {n:.0f} = "
+          f"{target:.3f} ms: {'met' if outside <= target else 'missed'}. Per saved tensor (hooks) "
+          f"{(pack + unpack - kernels) / n * 1e3:.1f} us (target 20); fixed (boundary + rest) "
+          f"{boundary + rest:.3f} ms (target 0.5)")
+    controller.detach()
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -483,6 +583,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="MODEL", help="cProfile memctl's training steps on MODEL")
     parser.add_argument("--calls", metavar="MODEL",
                         help="count the function calls of one training step on MODEL (deterministic)")
+    parser.add_argument("--paired", metavar="MODEL",
+                        help="memctl and plain stepped in turn in one process: memctl's cost pair by pair")
     parser.add_argument("--top", type=int, default=40, help="--profile, --calls: functions shown")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -496,6 +598,9 @@ def main() -> None:
         return
     if args.calls:
         _calls(args)
+        return
+    if args.paired:
+        _paired(args)
         return
     import torch
 
