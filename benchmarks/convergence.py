@@ -22,6 +22,11 @@ batches, once per configuration and seed, each in its own process:
             recurrent model, whose layers memctl runs fused (NOTE [ Fused recurrent
             layers ]). Not in the default ``--tasks``.
     text-gru   the same with GRU layers. Not in the default ``--tasks``.
+    text-explicit  the ``text`` model with its attention written out, as nanoGPT's path
+            without flash attention writes it: ``softmax((q @ kᵀ) · d^-½`` with the causal
+            mask filled in as ``-inf``) ``@ v``, whose probabilities memctl recomputes from the
+            query and key (NOTE [ Attention probabilities recomputed from query and key ]).
+            Not in the default ``--tasks``.
 
 ``--schedule cosine`` decays every configuration's learning rate to zero over the run
 (``CosineAnnealingLR``, as ``memctl demo`` does by default) instead of keeping it constant. At a constant rate
@@ -67,7 +72,7 @@ JITTER = ("jitter0", "jitter1", "jitter2")
 """Plain training with isotropic Gaussian noise added to every step's gradient (``--jitter``,
 its expected squared norm; the digit seeds the noise): how far a perturbation of the size
 memctl adds moves the result on its own. Not in the default ``--configs``."""
-TASKS = ("digits", "text", "text-lstm", "text-gru")
+TASKS = ("digits", "text", "text-lstm", "text-gru", "text-explicit")
 DEFAULT_TASKS = ("digits", "text")
 SCHEDULES = ("constant", "cosine")
 TARGET = "target (issue 14): validation loss within 2% of plain's at the default policy and at bits=2"
@@ -108,12 +113,12 @@ class CausalLM(nn.Module):
     """A pre-norm causal transformer over bytes (GELU MLP, learned positions)."""
 
     def __init__(self, vocab: int = 128, d: int = 128, layers: int = 4, heads: int = 4,
-                 ctx: int = 128) -> None:
+                 ctx: int = 128, explicit: bool = False) -> None:
         super().__init__()
         self.heads = heads
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(ctx, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(_Block(d, heads, explicit) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -140,9 +145,10 @@ class RecurrentLM(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, explicit: bool = False) -> None:
         super().__init__()
         self.heads = heads
+        self.explicit = explicit
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -154,7 +160,12 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.explicit:  # the same values, written out (the ``text-explicit`` task)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
+            a = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
         return x + self.out(self.act(self.fc(self.ln2(x))))
 
@@ -187,7 +198,7 @@ class Task:
                 self.model = RecurrentLM(nn.LSTM if name == "text-lstm" else nn.GRU)
                 self.opt = torch.optim.AdamW(self.model.parameters(), lr=2e-3, weight_decay=0.01)
             else:
-                self.model = CausalLM(layers=3, ctx=ctx)
+                self.model = CausalLM(layers=3, ctx=ctx, explicit=name == "text-explicit")
                 self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
             starts = [torch.randint(0, len(tr) - ctx - 1, (batch,), generator=g) for _ in range(steps)]
             self.batches = [(torch.stack([tr[s:s + ctx] for s in st.tolist()]),

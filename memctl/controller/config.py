@@ -55,6 +55,10 @@ class ControllerConfig:
             (``scaled_dot_product_attention``'s value and output; the value operand of an
             explicit attention's ``p @ v``): its backward reads them linearly, not through
             an exponential. ``None``: no floor.
+        attention_recompute: an explicit attention's probabilities keep no record of their own
+            and are recomputed from its query and key records when the backward reads them, as
+            ``scaled_dot_product_attention``'s backward does (NOTE [ Attention probabilities
+            recomputed from query and key ] in attention.py); on by default.
         norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
             ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
             ``None``: no floor.
@@ -116,6 +120,7 @@ class ControllerConfig:
     log_prob_bits: int | None = 4
     attention_bits: int | None = 8
     attention_value_bits: int | None = 4
+    attention_recompute: bool = True
     norm_bits: int | None = 4
     keep_inputs: bool = True
     fused_rnn: bool = True
@@ -197,6 +202,8 @@ class ControllerConfig:
             raise ConfigError(f"calibration_groups={self.calibration_groups!r}: must be True or False")
         if not isinstance(self.fused_rnn, bool):
             raise ConfigError(f"fused_rnn={self.fused_rnn!r}: must be True or False")
+        if not isinstance(self.attention_recompute, bool):
+            raise ConfigError(f"attention_recompute={self.attention_recompute!r}: must be True or False")
         _positive_float("guard_bound", self.guard_bound)
         _positive_float("guard_tolerance", self.guard_tolerance)
         _positive_float("solver_time_limit_s", self.solver_time_limit_s)

@@ -198,7 +198,7 @@ class _Walk:
             g, k = inner
             if name in _UNARY:
                 return _then(_UNARY[name], g), (name, k)
-            c = _scalar(node, "_saved_exponent" if name == "PowBackward0" else "_saved_other")
+            c = scalar_of(node, "_saved_exponent" if name == "PowBackward0" else "_saved_other")
             if c is None:
                 return None
             op = _SCALAR_OPS[name]
@@ -226,14 +226,14 @@ class _Walk:
                 return None
             return _binary(op, left[0], right[0], 1), (name, left[1], right[1])
         if b is None and a is not None:
-            c = _scalar(node, "_saved_other")
+            c = scalar_of(node, "_saved_other")
             inner = self.node(a, edges[0][1], False, None) if c is not None else None
             if inner is None or c is None:
                 return None
             g, k = inner
             return _right(op, g, c), (name, "other", c, k)
         if a is None and b is not None and name == "MulBackward0":
-            c = _scalar(node, "_saved_self")
+            c = scalar_of(node, "_saved_self")
             inner = self.node(b, edges[1][1], False, None) if c is not None else None
             if inner is None or c is None:
                 return None
@@ -243,7 +243,7 @@ class _Walk:
 
     def _sum(self, node: Any, name: str, edges: Any, top: bool,
              target: torch.Tensor | None) -> tuple[Rebuild, Any] | None:
-        alpha = _scalar(node, "_saved_alpha")
+        alpha = scalar_of(node, "_saved_alpha")
         if alpha is None:
             return None
         two = len(edges) == 2 and edges[0][0] is not None and edges[1][0] is not None
@@ -301,7 +301,7 @@ def _binary(op: Callable[..., torch.Tensor], f: Rebuild, g: Rebuild, alpha: floa
     return apply
 
 
-def _scalar(node: Any, name: str) -> float | None:
+def scalar_of(node: Any, name: str) -> float | None:
     """A scalar the node keeps: a Python number, or a one-value tensor (read as a number)."""
     try:
         value = getattr(node, name)

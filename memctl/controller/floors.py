@@ -259,6 +259,9 @@ class Raise:
     """The table op whose input it is (None: one of its outputs without a gradient)."""
     kind: str | None = None
     """The floor's kind (None: exact)."""
+    place: int | None = None
+    """Which of ``op``'s inputs it is (NOTE [ Attention probabilities recomputed from query and key ]
+    in attention.py: a matmul's first or second operand)."""
 
 
 class FloorTracker:
@@ -410,13 +413,15 @@ class FloorTracker:
         if not hits and not extras:
             return []
         out: list[Raise] = []
-        pairs = [(r, kinds[keys[r.key][1]]) for r in hits if r.key is not None]
-        for r, kind in pairs + [(r, None) for r in extras]:
+        pairs = [(r, keys[r.key][1]) for r in hits if r.key is not None]
+        for r, place in pairs + [(r, None) for r in extras]:
+            kind = None if place is None else kinds[place]
             del self._recent[r.order]
             bits = None if kind is None else self._floors.get(kind)
             if kind is not None and bits is None:
                 continue  # no floor for this kind: the record keeps its layer's bits
             saved = r.saved()
             if saved is not None and r.source._version == r.version:
-                out.append(Raise(saved, r.source, r.layer, bits, node if kind is not None else None, kind))
+                out.append(Raise(saved, r.source, r.layer, bits, node if kind is not None else None, kind,
+                                 place if kind is not None else None))
         return out

@@ -183,6 +183,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
+from memctl.controller.attention import logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
@@ -196,7 +197,7 @@ from memctl.controller.derived import (
     root_of,
     width_within,
 )
-from memctl.controller.expressions import Expression, build, is_elementwise
+from memctl.controller.expressions import Expression, build, is_elementwise, scalar_of
 from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
@@ -464,6 +465,10 @@ class Packer:
         """Walks that rebuilt nothing, by the shape of the graph at the packed tensor (its node and
         the nodes of its inputs): after :data:`_MISSES` of them, one walk in :data:`_RETRY`."""
         self._rebuilt: set[tuple[str, ...]] = set()
+        # NOTE [ Attention probabilities recomputed from query and key ] in attention.py: the
+        # structures checked (recomputed once) and those that failed their check (not tried again)
+        self._attention_checked: set[tuple[Any, ...]] = set()
+        self._attention_failed: set[tuple[Any, ...]] = set()
         """Graph shapes that were rebuilt at least once: always walked."""
         self._held_log_probs: dict[int, _HeldLogProbs] = {}
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
@@ -690,13 +695,16 @@ class Packer:
                 if again.layer is not None:
                     self._regions.note(t, again, again.layer, node)
                 return again
+        operands: list[Raise] = []  # an attention's query and key (NOTE in attention.py)
         if self._floors.active:  # NOTE [ Bit floors ]: before t's record (read from a norm's input?)
             for found in self._floors.matches(t):
                 self._raise_to_floor(found)
                 if found.kind == NORM:  # NOTE [ Norm outputs recomputed from the input ]
                     self._norms.note(found.op, found.saved, found.source)
+                elif found.kind == ATTENTION and found.place is not None:
+                    operands.append(found)
         try:
-            saved = self._pack_new(t, layer)
+            saved = self._pack_new(t, layer, operands)
         except Exception as exc:  # statistics code failed: see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             saved = Saved(t.detach().clone(), t)
@@ -1116,7 +1124,7 @@ class Packer:
         return code, out
 
     # -- internals -------------------------------------------------------------------
-    def _pack_new(self, t: torch.Tensor, layer: str) -> Saved:
+    def _pack_new(self, t: torch.Tensor, layer: str, operands: list[Raise] | None = None) -> Saved:
         self.packs += 1
         if self._batches.deferred:  # NOTE [ Roots known from the last forward ]: not stored again in time
             for b in self._batches.overdue(self.packs):
@@ -1170,6 +1178,12 @@ class Packer:
         mask_nbytes = part.nbytes(numel) if part is not None else 0
         rec.mask_bytes += mask_nbytes
         bits, error_bound = self._choice_for(layer)
+        quantising = config.codec is CodecMode.QUANTIZE
+        if operands and config.attention_recompute and bits < KEEP_BITS and quantising:
+            derived = self._derive_attention(t, operands, layer, rec)
+            if derived is not None:  # NOTE in attention.py: no values of its own to price
+                rec.numels.pop()
+                return derived
         floor = self._floors.result_floor(node) if part is None else None
         if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
             rec.numels.pop()
@@ -1373,6 +1387,48 @@ class Packer:
         rec.floored_bytes += nbytes
         rec.packed_bytes += nbytes
         return Saved(p, t, layer=layer)
+
+    def _derive_attention(self, t: torch.Tensor, operands: list[Raise], layer: str,
+                          rec: LayerStep) -> Saved | None:
+        """A softmax's result recomputed from its logits matmul's operand records, or None
+        (NOTE [ Attention probabilities recomputed from query and key ] in attention.py)."""
+        try:
+            with self._reading_fields():
+                logits = logits_of(t.grad_fn, t.dim(), scalar_of)
+            if logits is None:
+                return None
+            by_place = {r.place: r for r in operands if r.op is logits.matmul}
+            a, b = by_place.get(0), by_place.get(1)
+            key = logits.key(t)
+            if a is None or b is None or a.saved is b.saved or key in self._attention_failed:
+                return None
+            shape = tuple(t.shape)
+            zero = (t.detach() == 0) if logits.masked else None
+            if logits.added or key not in self._attention_checked:
+                exact = probabilities(logits, a.source.detach(), b.source.detach(), zero, shape)
+                if not torch.equal(exact, t.detach()):
+                    self._attention_failed.add(key)
+                    return None
+                if not logits.added:
+                    self._attention_checked.add(key)
+            others: tuple[Saved, ...] = (b.saved,)
+            if zero is not None:
+                bitmap = self._codec("lossless").encode(zero)
+                others += (Saved(bitmap, zero),)
+                nbytes = _nbytes(bitmap)
+                rec.fixed_bytes += nbytes
+                rec.floored_bytes += nbytes
+                rec.packed_bytes += nbytes
+            a.saved.readers += 1  # NOTE [ One decode for several readers ]: the matmul's backward too
+            b.saved.readers += 1
+
+            def recompute(x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+                return probabilities(logits, x, y, rest[0] if rest else None, shape)
+
+            return Saved(Derived(a.saved, recompute, others), t, layer=layer)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: the probabilities keep their record
+            self._on_fallback(layer, exc)
+            return None
 
     def _raise_to_floor(self, found: Raise) -> None:
         """Store a record packed at its layer's bits again at its op's floor, or exact

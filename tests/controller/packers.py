@@ -63,8 +63,8 @@ def spy_records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     pack_new = packing.Packer._pack_new
 
-    def spy(self: packing.Packer, t: torch.Tensor, layer: str) -> Any:
-        saved = pack_new(self, t, layer)
+    def spy(self: packing.Packer, t: torch.Tensor, layer: str, *rest: Any) -> Any:
+        saved = pack_new(self, t, layer, *rest)
         out.append((type(t.grad_fn).__name__ if t.grad_fn is not None else "", saved))
         return saved
 

@@ -190,9 +190,9 @@ def _fsdp_run(rank: int, out: dict[str, Any]) -> None:
     compressed: list[int | None] = []
     inner = ctl._packer._pack_new
 
-    def spy(t: torch.Tensor, layer: str) -> Any:
+    def spy(t: torch.Tensor, layer: str, *rest: Any) -> Any:
         compressed.append(storage_key(t))
-        return inner(t, layer)
+        return inner(t, layer, *rest)
 
     ctl._packer._pack_new = spy  # type: ignore[method-assign]
     resharded = []
@@ -263,9 +263,9 @@ def _checkpoint_run(rank: int, reentrant: bool, out: dict[str, Any], fsdp: bool 
     compressed: list[int | None] = []
     inner = packer._pack_new
 
-    def spy(t: torch.Tensor, layer: str) -> Any:
+    def spy(t: torch.Tensor, layer: str, *rest: Any) -> Any:
         compressed.append(storage_key(t))
-        return inner(t, layer)
+        return inner(t, layer, *rest)
 
     packer._pack_new = spy  # type: ignore[method-assign]
     rows = []

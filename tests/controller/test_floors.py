@@ -140,12 +140,13 @@ def _recording(packer: Packer) -> tuple[Callable[[torch.Tensor], Any], list[tupl
 
 
 def test_explicit_attention_matmul_operands_are_floored() -> None:
-    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities."""
+    """softmax(q @ kᵀ / √d) @ v: the four matmul operands and both saves of the probabilities
+    (recomputed from the query and key instead by default: test_attention.py)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 16, 32, generator=g, requires_grad=True)
     w_in = torch.randn(96, 32, generator=g, requires_grad=True)
     w_out = torch.randn(32, 32, generator=g, requires_grad=True)
-    packer = _packer()
+    packer = _packer(attention_recompute=False)
     pack, records = _recording(packer)
     with torch.autograd.graph.saved_tensors_hooks(pack, packer.unpack):
         packer.set_parameters(nn.Module())
