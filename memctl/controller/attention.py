@@ -18,11 +18,13 @@ query and key records the floor walk has just raised (:class:`~memctl.controller
 Then the result keeps no payload of its own: its record is a ``Derived`` of those two
 records, and unpacking it decodes them (NOTE [ One decode for several readers ]: the first
 matmul's backward reads the same decode), multiplies them, applies the scalars and takes
-the softmax over the last dimension. A chain with a mask also keeps a bit map of the places
-where the probabilities were exactly 0 (1 bit a value, an eighth of the 8-bit record), and
-those are masked out (``-inf``) before the softmax: a mask of ``-inf``, the dtype's lowest
-value or any value whose exponential underflows is reproduced whatever it covers (a
-padding mask that changes every batch), without the mask tensor itself.
+the softmax over the last dimension. A chain whose one mask is a ``masked_fill`` uses that
+op's own mask (which autograd keeps for its backward anyway; read when the probabilities are
+packed, so a padding mask that changes every batch is that batch's); any other chain with a
+mask (an added mask tensor, several masks) keeps a bit map of the places where the
+probabilities were exactly 0 (1 bit a value, an eighth of the 8-bit record). Either way those
+places are masked out (``-inf``) before the softmax: a mask filled with ``-inf``, the dtype's
+lowest value or any value whose exponential underflows is reproduced.
 
 Nothing is trusted: the recomputation from the exact query and key must reproduce the
 probabilities bit for bit before their record is dropped. Once per structure (the chain's
@@ -33,11 +35,14 @@ check fails and the probabilities keep their record at the floor, as do those of
 structure that failed once (not tried again). The check is a matmul, a softmax and a
 comparison (on a GPU a wait: every step for a chain with an added tensor).
 
-The bytes of the probabilities go (raw ``T·T`` values a head and row of the batch at 8
-bits, plus the bit map when there is a mask) and the cost moves to the backward: a matmul
-and a softmax per attention, as in the fused attention's backward. The recomputed
-probabilities carry the error of the 8-bit query and key through the exponential, as
-``scaled_dot_product_attention``'s do under memctl.
+The probabilities' bytes go (``T·T`` values a head and row of the batch at 8 bits; a bit
+map's eighth stays where the chain's mask is not a ``masked_fill``'s), and so do their encode
+and decode; the backward runs a matmul, the scalars, the mask and a softmax per attention
+instead, as the fused attention's backward does. The recomputation's ops run in place on the
+matmul's new output. An explicit causal attention layer (``T = 256``, 4 heads of 16, batch 8,
+``masked_fill``) at 2 bits, one thread: 3.49 -> 1.68 MiB of records, 35.4 -> 34.0 ms a step
+(plain PyTorch 21.0 ms). The recomputed probabilities carry the error of the 8-bit query and
+key through the exponential, as ``scaled_dot_product_attention``'s do under memctl.
 
 Not recomputed (the record stays at the floor): a dropout between the softmax and the second
 matmul leaves that operand a record of its own (the softmax's result is still recomputed),
@@ -79,9 +84,12 @@ class Logits:
     scalars: tuple[tuple[str, float], ...]
     """``("mul" | "div", c)`` from the matmul outward."""
     masked: bool
-    """A mask or an added tensor is in the chain: the probabilities' zeros are kept as a bit map."""
+    """A mask or an added tensor is in the chain."""
     added: bool
     """A tensor without a gradient is added: every recomputation is checked."""
+    fill: Any = None
+    """The chain's one ``masked_fill`` node, when its mask alone masks (no added tensor, no
+    reshape between it and the softmax): its mask serves at unpack, no bit map is kept."""
 
     def key(self, t: torch.Tensor) -> tuple[Any, ...]:
         """What a check of the recomputation holds for."""
@@ -96,7 +104,8 @@ def logits_of(node: Any, ndim: int, scalar: Callable[[Any, str], float | None]) 
     if type(node).__name__ not in _SOFTMAX or _softmax_dim(node, ndim) != -1:
         return None
     scalars: list[tuple[str, float]] = []
-    masked = added = False
+    masked = added = reshaped = False
+    fills: list[Any] = []
     edges = node.next_functions
     below = edges[0][0] if edges else None
     for _ in range(_LIMIT):
@@ -104,14 +113,19 @@ def logits_of(node: Any, ndim: int, scalar: Callable[[Any, str], float | None]) 
             return None
         name = type(below).__name__
         if name in _MATMULS:
-            return Logits(type(node).__name__, below, tuple(reversed(scalars)), masked, added)
+            fill = fills[0] if len(fills) == 1 and not added else None
+            return Logits(type(node).__name__, below, tuple(reversed(scalars)), masked, added, fill)
         edges = below.next_functions
         if name in RESHAPES:
+            reshaped = True
             below = edges[0][0]
             continue
         first = edges[0][0] if edges else None
         second = edges[1][0] if len(edges) > 1 else None
         if name in _MASKS:
+            # its mask broadcasts against the softmax's input as it did against its own input
+            # when no reshape lies between them
+            fills.append(None if reshaped or name != "MaskedFillBackward0" else below)
             masked, below = True, first
         elif name in _ADDED and first is not None and second is None:
             masked = added = True
@@ -149,12 +163,17 @@ def _softmax_dim(node: Any, ndim: int) -> int | None:
 def probabilities(logits: Logits, a: torch.Tensor, b: torch.Tensor, zero: torch.Tensor | None,
                   shape: tuple[int, ...]) -> torch.Tensor:
     """The softmax's result from the matmul's operands ``a`` and ``b`` (decoded records, or the
-    exact tensors for the check), with ``zero``'s places masked out, in ``shape``."""
+    exact tensors for the check), with ``zero``'s places masked out (a bit map of ``shape``'s
+    size, or the ``masked_fill``'s own mask, which broadcasts), in ``shape``. The matmul's
+    output is new: the rest runs in place on it, as the forward's ops gave the same values."""
     s = _MATMULS[type(logits.matmul).__name__](a, b).reshape(shape)
     for kind, c in logits.scalars:
-        s = s * c if kind == "mul" else s / c
+        if kind == "mul":
+            s.mul_(c)
+        else:
+            s.div_(c)
     if zero is not None:
-        s = s.masked_fill(zero.reshape(shape), float("-inf"))
+        s.masked_fill_(zero.reshape(shape) if zero.numel() == s.numel() else zero, float("-inf"))
     if logits.softmax == "SafeSoftmaxBackward0":
         return torch._safe_softmax(s, -1)
     return torch.softmax(s, dim=-1)

@@ -165,6 +165,7 @@ These rules in the context of a whole step: docs/design.md, "Pack: what is compr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -767,6 +768,8 @@ class Packer:
             return saved
         if isinstance(saved, SavedRef):
             return saved.unpack()
+        if isinstance(saved, _Queued) and saved.saved is not None:  # packed since (the queue is in order)
+            return self._peek(saved.saved)
         if isinstance(saved, Saved):
             data = saved.data
             if isinstance(data, torch.Tensor) and (saved.layer is None or self._peek_exact):
@@ -1403,7 +1406,17 @@ class Packer:
             if a is None or b is None or a.saved is b.saved or key in self._attention_failed:
                 return None
             shape = tuple(t.shape)
-            zero = (t.detach() == 0) if logits.masked else None
+            zero: torch.Tensor | None = None
+            if logits.fill is not None:  # the masked_fill's own mask (a bool tensor autograd keeps)
+                with self._reading_fields():
+                    zero = logits.fill._saved_mask
+                if zero is None or zero.dtype is not torch.bool:
+                    return None
+                if zero.numel() > t.numel() // 8:  # a mask larger than a bit map: the bit map
+                    logits = dataclasses.replace(logits, fill=None)
+                    zero = t.detach() == 0
+            elif logits.masked:
+                zero = t.detach() == 0
             if logits.added or key not in self._attention_checked:
                 exact = probabilities(logits, a.source.detach(), b.source.detach(), zero, shape)
                 if not torch.equal(exact, t.detach()):
@@ -1411,8 +1424,10 @@ class Packer:
                     return None
                 if not logits.added:
                     self._attention_checked.add(key)
-            others: tuple[Saved, ...] = (b.saved,)
-            if zero is not None:
+            others: tuple[Saved | torch.Tensor, ...] = (b.saved,)
+            if logits.fill is not None and zero is not None:
+                others += (zero,)  # held as autograd holds it for the masked_fill's backward
+            elif zero is not None:
                 bitmap = self._codec("lossless").encode(zero)
                 others += (Saved(bitmap, zero),)
                 nbytes = _nbytes(bitmap)
