@@ -184,9 +184,9 @@ def _set_mode(mode: str) -> None:
 
     pack_new = packing.Packer._pack_new
 
-    def pack(self: Any, t: torch.Tensor, layer: str) -> Any:
+    def pack(self: Any, t: torch.Tensor, layer: str, *rest: Any) -> Any:
         self._exact_outputs = []
-        saved = pack_new(self, t, layer)
+        saved = pack_new(self, t, layer, *rest)
         if self._exact_outputs:
             saved.data, saved.regions = t.detach().clone(), ()
         return saved
