@@ -49,8 +49,10 @@ runs ``--repeat`` times, interleaved, and the run with the least CPU time is rep
 (the same weights), memctl attached to one, stepped in turn on the same batches, each
 step's thread CPU time taken; memctl's cost is the difference of each pair of steps
 (median and mean over the pairs), then the phases are timed as in ``memctl-phases`` over
-as many pairs again. Both models share the process's allocator, caches and load from one
-step to the next, so the difference carries none of what separates two processes (the
+as many pairs again. A third copy under ``torch.utils.checkpoint`` (every block, as
+``training.py``'s ``checkpoint`` method) steps in the same turns of the first pass, for
+the ratio of each to plain PyTorch. The models share the process's allocator, caches and
+load from one step to the next, so the difference carries none of what separates two processes (the
 ``rest`` of the default mode is such a difference, and on a 4 ms step it moved by more than
 memctl's whole cost); the phase figures are those of the same process. Calibration is off,
 as in ``memctl``.
@@ -491,8 +493,11 @@ def _paired(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model, batch = build(args.paired)
     twin = copy.deepcopy(model)  # before attaching: a copy of an attached model is plain anyway
+    ckpt = copy.deepcopy(model)
+    ckpt.checkpointed = True  # torch.utils.checkpoint around every block (training.py's method)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     twin_optimizer = torch.optim.Adam(twin.parameters(), lr=1e-3)
+    ckpt_optimizer = torch.optim.Adam(ckpt.parameters(), lr=1e-3)
     controller = Controller(model, optimizer, bits=2, calibration_fraction=0.0)
     gen = torch.Generator().manual_seed(1)
     data = [batch(gen) for _ in range(8)]
@@ -504,7 +509,9 @@ def _paired(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def pairs(n: int) -> tuple[list[float], list[float]]:
+    checkpointed: list[float] = []
+
+    def pairs(n: int, with_checkpoint: bool = False) -> tuple[list[float], list[float]]:
         mine, theirs = [], []
         for i in range(n):
             x, y = data[i % len(data)]
@@ -515,10 +522,14 @@ def _paired(args: argparse.Namespace) -> None:
             t2 = clock()
             mine.append(t1 - t0)
             theirs.append(t2 - t1)
+            if with_checkpoint:  # in the same turn, for issue 13's "faster than checkpointing"
+                step(ckpt, ckpt_optimizer, x, y)
+                checkpointed.append(clock() - t2)
         return mine, theirs
 
-    pairs(args.warmup)
-    mine, theirs = pairs(args.steps)
+    pairs(args.warmup, with_checkpoint=True)
+    checkpointed.clear()
+    mine, theirs = pairs(args.steps, with_checkpoint=True)
     diffs = [a - b for a, b in zip(mine, theirs, strict=True)]
     clocks = _instrument(controller)
     pairs(args.warmup)  # the instrumented hooks are pushed when the next window opens
@@ -546,6 +557,10 @@ def _paired(args: argparse.Namespace) -> None:
           f"{statistics.fmean(theirs) * 1e3:.3f}, memctl {statistics.median(mine) * 1e3:.3f} "
           f"{statistics.fmean(mine) * 1e3:.3f}; memctl - plain, "
           f"pair by pair: median {statistics.median(diffs) * 1e3:.3f}, mean {overhead:.3f}")
+    plain_mean = statistics.fmean(theirs)
+    print(f"  in the same turns (means): memctl {statistics.fmean(mine) / plain_mean:.2f}x plain, "
+          f"torch.utils.checkpoint per block {statistics.fmean(checkpointed) * 1e3:.3f} ms "
+          f"({statistics.fmean(checkpointed) / plain_mean:.2f}x)")
     print(f"  {'phase (CPU ms per step, mean)':<36} {'total':>8} {'kernels':>8} {'else':>8} "
           f"{'else us/t':>10}")
     for label, total, kern, each in (
