@@ -44,11 +44,22 @@ matmul's new output. An explicit causal attention layer (``T = 256``, 4 heads of
 (plain PyTorch 21.0 ms). The recomputed probabilities carry the error of the 8-bit query and
 key through the exponential, as ``scaled_dot_product_attention``'s do under memctl.
 
-Not recomputed (the record stays at the floor): a dropout between the softmax and the second
-matmul leaves that operand a record of its own (the softmax's result is still recomputed),
-a softmax with a dtype cast (``softmax(x, dtype=...)``, autocast), a softmax over another
-dimension than the last, any other op in the chain, a query that is the key, and the
-error-bound codec.
+A dropout between the softmax and the second matmul (nanoGPT's ``attn_dropout``, a Hugging
+Face eager attention's ``attention_dropout``) makes that matmul's operand another tensor,
+``P·M`` (on a CPU, ``F.dropout`` multiplies by a mask ``M`` of zeros and ``1/(1−p)``, which the
+product's node saves). When the softmax's result was recomputed and the operand is that
+product (through views and an expand that repeats nothing), it keeps no record either: its
+unpack multiplies the recomputed probabilities by the mask's record (a two-valued tensor,
+which the quantiser stores exactly at any width). The mask's record is the one memctl's pack
+hook returned for the product's saved ``other``: read from the node without decoding it
+(autograd hands the unpack hook that record), so no data is compared. The floor walk sees
+through such a product as well: the value operand of ``dropout(P) @ v`` takes the value
+floor, and an operand that keeps a record the attention floor (NOTE [ Bit floors ]).
+
+Not recomputed (the record stays at the floor): a dropout of another kind (``native_dropout``
+on a GPU: its own node and a bool mask; not tried), a softmax with a dtype cast
+(``softmax(x, dtype=...)``, autocast), a softmax over another dimension than the last, any
+other op in the chain, a query that is the key, and the error-bound codec.
 """
 
 from __future__ import annotations
@@ -61,9 +72,9 @@ import torch
 
 from memctl.controller.derived import RESHAPES
 
-__all__ = ["Logits", "logits_of", "probabilities"]
+__all__ = ["SOFTMAX", "Logits", "logits_of", "probabilities"]
 
-_SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 _MATMULS = {"BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
 _SCALAR_MUL = frozenset({"MulBackward0", "MulBackward1"})
 _SCALAR_DIV = frozenset({"DivBackward0", "DivBackward1"})
@@ -101,7 +112,7 @@ def logits_of(node: Any, ndim: int, scalar: Callable[[Any, str], float | None]) 
     """The chain from a softmax's node (its result of ``ndim`` dimensions) down to its first
     matmul, or None when some op in it cannot be replayed (NOTE [ Attention probabilities
     recomputed from query and key ]). ``scalar(node, field)``: a node's saved scalar, or None."""
-    if type(node).__name__ not in _SOFTMAX or _softmax_dim(node, ndim) != -1:
+    if type(node).__name__ not in SOFTMAX or _softmax_dim(node, ndim) != -1:
         return None
     scalars: list[tuple[str, float]] = []
     masked = added = reshaped = False

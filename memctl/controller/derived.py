@@ -390,10 +390,10 @@ _MAX_RESHAPES = 4
 def reshaped_from(t: torch.Tensor) -> tuple[Any, int]:
     """The node (and output number) whose output ``t`` is, looking through up to
     :data:`_MAX_RESHAPES` reshapes (``nn.Linear`` flattens a 3-d input to 2-d before its matmul)."""
-    return _through_reshapes(t.grad_fn, int(t.output_nr))
+    return through_reshapes(t.grad_fn, int(t.output_nr))
 
 
-def _through_reshapes(node: Any, nr: int = 0) -> tuple[Any, int]:
+def through_reshapes(node: Any, nr: int = 0) -> tuple[Any, int]:
     """``node`` (output ``nr``), or the node up to :data:`_MAX_RESHAPES` reshapes above it."""
     for _ in range(_MAX_RESHAPES):
         if node is None or type(node).__name__ not in RESHAPES:
@@ -413,7 +413,7 @@ def reads_back(node: Any, op: str) -> bool:
     derivative ]): any reader but a product, and a product of the output with itself."""
     if type(node).__name__ not in PRODUCTS:
         return True
-    sources = [_through_reshapes(edge)[0] for edge, _ in node.next_functions if edge is not None]
+    sources = [through_reshapes(edge)[0] for edge, _ in node.next_functions if edge is not None]
     reached = [source for source in sources if source is not None and type(source).__name__ == op]
     return len(reached) > 1 and len({source._sequence_nr() for source in reached}) == 1
 

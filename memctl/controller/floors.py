@@ -228,11 +228,21 @@ def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
             return None
         return below, (ATTENTION,) * len(below.next_functions)
     if name in _MATMULS:
-        kinds = tuple(ATTENTION if type(_first_beyond(nxt, _VIEWS)).__name__ in _SOFTMAX else VALUES
-                      for nxt, _ in node.next_functions)
+        kinds = tuple(ATTENTION if _is_probabilities(nxt) else VALUES for nxt, _ in node.next_functions)
         if ATTENTION in kinds:
             return node, kinds
     return None
+
+
+def _is_probabilities(node: Any) -> bool:
+    """Whether ``node`` is (a view of) a softmax's output, or of its dropout: a product with a
+    tensor that has no gradient (the mask)."""
+    below = _first_beyond(node, _VIEWS)
+    if type(below).__name__ == "MulBackward0":
+        edges = below.next_functions
+        if len(edges) == 2 and edges[0][0] is not None and edges[1][0] is None:
+            below = _first_beyond(edges[0][0], _VIEWS)
+    return type(below).__name__ in _SOFTMAX
 
 
 @dataclass(slots=True)

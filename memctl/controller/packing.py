@@ -184,18 +184,20 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
-from memctl.controller.attention import logits_of, probabilities
+from memctl.controller.attention import SOFTMAX, logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.derived import (
     DERIVED_MAX_BITS,
     PRODUCTS,
+    RESHAPES,
     VALUE_DEPENDENT,
     Derived,
     reads_back,
     reshaped_from,
     root_of,
+    through_reshapes,
     width_within,
 )
 from memctl.controller.expressions import Expression, build, is_elementwise, scalar_of
@@ -364,6 +366,14 @@ def _keep_changed(saved: Saved, source: torch.Tensor) -> None:
     saved.data, saved.source = held, _Held(held, _op_of(source))
 
 
+_VIEWED = frozenset({*RESHAPES, "ExpandBackward0"})
+"""Nodes between a dropout's output and the matmul's operand (NOTE in attention.py)."""
+
+
+class _HandleRead(Exception):
+    """Raised by :meth:`Packer._peek` once it has the handle :meth:`Packer._saved_handle` asks for."""
+
+
 class _Queued:
     """What autograd holds for a tensor whose pack waits in the queue (NOTE [ Packs queued in the
     forward ]): the tensor and what was read when it was saved, then the record."""
@@ -470,6 +480,10 @@ class Packer:
         # structures checked (recomputed once) and those that failed their check (not tried again)
         self._attention_checked: set[tuple[Any, ...]] = set()
         self._attention_failed: set[tuple[Any, ...]] = set()
+        self._recomputed_softmax = False
+        """A softmax's result was recomputed this step: its dropout's output may be as well."""
+        self._caught: list[Any] | None = None
+        """While set, :meth:`_peek` puts the handle it is given here (:meth:`_saved_handle`)."""
         """Graph shapes that were rebuilt at least once: always walked."""
         self._held_log_probs: dict[int, _HeldLogProbs] = {}
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
@@ -589,6 +603,7 @@ class Packer:
         self._begun = None
         self._steps += 1
         self._derived_index.clear()
+        self._recomputed_softmax = False
         self.last_samples = peak.samples
         self.last_micro_batches = peak.micro_batches
         return peak.records
@@ -764,6 +779,9 @@ class Packer:
         """A node field read during the forward (NOTE [ Elementwise expressions ]: constants; NOTE
         [ Rows no loss reads ]: a loss's target): exact records, with none of :meth:`unpack`'s
         bookkeeping; anything lossy raises."""
+        if self._caught is not None:  # :meth:`_saved_handle`: the handle itself is what is asked
+            self._caught.append(saved)
+            raise _HandleRead
         if isinstance(saved, torch.Tensor):
             return saved
         if isinstance(saved, SavedRef):
@@ -1186,6 +1204,12 @@ class Packer:
             derived = self._derive_attention(t, operands, layer, rec)
             if derived is not None:  # NOTE in attention.py: no values of its own to price
                 rec.numels.pop()
+                self._recomputed_softmax = True
+                return derived
+        if self._recomputed_softmax and part is None and bits < KEEP_BITS and quantising:
+            derived = self._derive_dropped(t, layer)
+            if derived is not None:  # NOTE in attention.py: the dropout's output
+                rec.numels.pop()
                 return derived
         floor = self._floors.result_floor(node) if part is None else None
         if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
@@ -1444,6 +1468,54 @@ class Packer:
         except Exception as exc:  # see NOTE [ Codec fallback ]: the probabilities keep their record
             self._on_fallback(layer, exc)
             return None
+
+    def _saved_handle(self, node: Any, field: str) -> Any:
+        """What memctl's pack hook returned for ``node``'s saved ``field`` (None if nothing of
+        memctl's), read without decoding it: autograd hands the handle to the unpack hook."""
+        self._caught = []
+        try:
+            with self._reading_fields():
+                getattr(node, field)
+        except Exception:  # _HandleRead, or a field autograd cannot give
+            pass
+        finally:
+            caught, self._caught = self._caught, None
+        handle = caught[0] if caught else None
+        return handle.saved if isinstance(handle, _Queued) else handle
+
+    def _derive_dropped(self, t: torch.Tensor, layer: str) -> Saved | None:
+        """A dropout's output ``P·M`` of a recomputed softmax result ``P``, kept as a function of
+        ``P``'s record and the dropout's mask ``M``'s, or None (NOTE [ Attention probabilities
+        recomputed from query and key ] in attention.py)."""
+        node: Any = t.grad_fn
+        nr = int(t.output_nr)
+        for _ in range(4):  # a matmul's operand: a view of it, expanded to its own shape
+            if node is None or type(node).__name__ not in _VIEWED:
+                break
+            node, nr = node.next_functions[0]
+        if node is None or nr != 0 or type(node).__name__ != "MulBackward0":
+            return None
+        edges = node.next_functions
+        if len(edges) != 2 or edges[0][0] is None or edges[1][0] is not None:
+            return None  # a product with a tensor that has no gradient: the mask
+        below, nr = through_reshapes(edges[0][0], edges[0][1])
+        if nr != 0 or type(below).__name__ not in SOFTMAX:
+            return None
+        probs = self._producer(below, 0)
+        if probs is None or not isinstance(probs.data, Derived):
+            return None
+        mask = self._saved_handle(node, "_saved_other")
+        if not isinstance(mask, Saved) or mask.shape != probs.shape or mask.dtype != t.dtype \
+                or t.numel() != math.prod(probs.shape):  # an expand that repeats nothing
+            return None
+        probs.readers += 1  # NOTE [ One decode for several readers ]
+        mask.readers += 1
+        shape = tuple(t.shape)
+
+        def dropped(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return (p * m).reshape(shape)
+
+        return Saved(Derived(probs, dropped, (mask,)), t, layer=layer)
 
     def _raise_to_floor(self, found: Raise) -> None:
         """Store a record packed at its layer's bits again at its op's floor, or exact

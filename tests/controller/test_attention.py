@@ -210,3 +210,55 @@ def test_recompute_turns_off() -> None:
     with pytest.raises(memctl.ConfigError, match="attention_recompute"):
         memctl.Controller(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
                           attention_recompute="yes")  # type: ignore[arg-type]
+
+
+class _Dropped(_Attention):
+    """The causal layer with dropout on its probabilities (nanoGPT's ``attn_dropout``)."""
+
+    def __init__(self) -> None:
+        super().__init__("masked_fill")
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d // self.heads))
+        p = self.drop(torch.softmax(s.masked_fill(~self.causal[:t, :t], float("-inf")), dim=-1))
+        return self.proj((p @ v).transpose(1, 2).reshape(b, t, d))
+
+
+def test_a_dropout_of_recomputed_probabilities_is_recomputed_too() -> None:
+    """The dropout's output, ``P·M``, is read from the probabilities' recomputation and the
+    dropout's own mask record: no record of its own, and plain PyTorch's gradient with the
+    same draws."""
+    torch.manual_seed(0)
+    model = _Dropped()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 24, 32)
+    torch.manual_seed(5)
+    plain(x).square().mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
+                            monitor_interval_s=0, min_numel=0)
+    packer = ctl._packer
+    pack = packer.pack
+    operands: list[Any] = []
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:  # the second matmul's (B·H, T, T) operand
+            operands.append(saved)
+        return saved
+
+    packer.pack = recording  # type: ignore[method-assign]
+    ctl._scope._pack = recording
+    try:
+        torch.manual_seed(5)
+        model(x).square().mean().backward()
+        (saved,) = (_record(r) for r in operands)
+        assert isinstance(saved.data, Derived) and isinstance(saved.data.source.data, Derived)
+        a, b = _grads(model).double(), _grads(plain).double()
+        assert float(a @ b / (a.norm() * b.norm())) > 0.9999
+    finally:
+        ctl.detach()
