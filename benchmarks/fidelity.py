@@ -148,6 +148,18 @@ def _gpt2() -> nn.Module:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def _gpt2_eager() -> nn.Module:
+    """GPT-2 with its attention written out (transformers' ``eager`` implementation: an added
+    causal mask, and dropout on the probabilities at GPT-2's default 0.1)."""
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.1)
+    config._attn_implementation = "eager"
+    return GPT2LMHeadModel(config)
+
+
 def _llama() -> nn.Module:
     prepare_torchvision()  # transformers imports torchvision when it is installed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -193,6 +205,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("vit_tiny", "image", "timm", lambda: _timm().create_model(
         "vit_tiny_patch16_224", img_size=64, depth=6, num_classes=10), lr=1e-3),
     Spec("gpt2", "lm", "transformers", _gpt2),
+    Spec("gpt2_eager", "lm", "transformers", _gpt2_eager),
     Spec("llama", "lm", "transformers", _llama),
     Spec("bert", "mlm", "transformers", _bert),
     Spec("cnn", "image", "memctl tests", _project_model("cnn"), image=32),
