@@ -71,10 +71,10 @@ from typing import Any
 import torch
 
 from memctl.controller.derived import RESHAPES
+from memctl.controller.floors import SOFTMAX
 
-__all__ = ["SOFTMAX", "Logits", "logits_of", "probabilities"]
+__all__ = ["Logits", "logits_of", "probabilities"]
 
-SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 _MATMULS = {"BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
 _SCALAR_MUL = frozenset({"MulBackward0", "MulBackward1"})
 _SCALAR_DIV = frozenset({"DivBackward0", "DivBackward1"})

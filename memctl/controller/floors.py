@@ -167,7 +167,8 @@ _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackwar
 _WALK_NODES = 16
 
 # An explicit attention: softmax(scale · q @ kᵀ (+ mask)) @ v (NOTE [ Bit floors ]).
-_SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
+"""A softmax's node types (``_safe_softmax`` gives 0, not NaN, on a row masked whole)."""
 _MATMULS = frozenset({"BmmBackward0", "MmBackward0"})
 
 HOLDING = _VIEWS | _MATMULS
@@ -221,7 +222,7 @@ def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
     or a matmul with a softmax's output as an operand (p @ v: the probabilities take the
     query's floor, the values theirs)."""
     name = type(node).__name__
-    if name in _SOFTMAX:
+    if name in SOFTMAX:
         edges = node.next_functions
         below = _first_beyond(edges[0][0], _SCALING) if edges else None
         if below is None or type(below).__name__ not in _MATMULS:
@@ -235,14 +236,23 @@ def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
 
 
 def _is_probabilities(node: Any) -> bool:
-    """Whether ``node`` is (a view of) a softmax's output, or of its dropout: a product with a
-    tensor that has no gradient (the mask)."""
+    """Whether ``node`` is (a view of) a softmax's output, or of its dropout."""
     below = _first_beyond(node, _VIEWS)
-    if type(below).__name__ == "MulBackward0":
-        edges = below.next_functions
-        if len(edges) == 2 and edges[0][0] is not None and edges[1][0] is None:
-            below = _first_beyond(edges[0][0], _VIEWS)
-    return type(below).__name__ in _SOFTMAX
+    operand = dropout_operand(below)
+    if operand is not None:
+        below = _first_beyond(operand[0], _VIEWS)
+    return type(below).__name__ in SOFTMAX
+
+
+def dropout_operand(node: Any) -> tuple[Any, int] | None:
+    """``(node, output number)`` of what ``node`` multiplies when it is a product with a tensor
+    that has no gradient (a dropout's mask, as ``F.dropout`` applies it on a CPU), else None."""
+    if type(node).__name__ != "MulBackward0":
+        return None
+    edges = node.next_functions
+    if len(edges) != 2 or edges[0][0] is None or edges[1][0] is not None:
+        return None
+    return edges[0][0], int(edges[0][1])
 
 
 @dataclass(slots=True)

@@ -165,7 +165,6 @@ These rules in the context of a whole step: docs/design.md, "Pack: what is compr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import math
@@ -184,7 +183,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
-from memctl.controller.attention import SOFTMAX, logits_of, probabilities
+from memctl.controller.attention import logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
@@ -201,7 +200,7 @@ from memctl.controller.derived import (
     width_within,
 )
 from memctl.controller.expressions import Expression, build, is_elementwise, scalar_of
-from memctl.controller.floors import ATTENTION, NORM, VALUES, FloorTracker, Raise
+from memctl.controller.floors import ATTENTION, NORM, SOFTMAX, VALUES, FloorTracker, Raise, dropout_operand
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
@@ -476,6 +475,7 @@ class Packer:
         """Walks that rebuilt nothing, by the shape of the graph at the packed tensor (its node and
         the nodes of its inputs): after :data:`_MISSES` of them, one walk in :data:`_RETRY`."""
         self._rebuilt: set[tuple[str, ...]] = set()
+        """Graph shapes that were rebuilt at least once: always walked."""
         # NOTE [ Attention probabilities recomputed from query and key ] in attention.py: the
         # structures checked (recomputed once) and those that failed their check (not tried again)
         self._attention_checked: set[tuple[Any, ...]] = set()
@@ -484,7 +484,6 @@ class Packer:
         """A softmax's result was recomputed this step: its dropout's output may be as well."""
         self._caught: list[Any] | None = None
         """While set, :meth:`_peek` puts the handle it is given here (:meth:`_saved_handle`)."""
-        """Graph shapes that were rebuilt at least once: always walked."""
         self._held_log_probs: dict[int, _HeldLogProbs] = {}
         """Log-softmax outputs of this forward, raw, by node id (NOTE [ Rows no loss reads ])."""
         self._peeking = False
@@ -1212,7 +1211,7 @@ class Packer:
                 rec.numels.pop()
                 return derived
         floor = self._floors.result_floor(node) if part is None else None
-        if floor is not None and bits < floor and self._config.codec is CodecMode.QUANTIZE:
+        if floor is not None and bits < floor and quantising:
             rec.numels.pop()
             if self._norms:  # NOTE [ Norm outputs recomputed from the input ]
                 derived = self._derive_norm(t, floor, layer)
@@ -1431,15 +1430,14 @@ class Packer:
                 return None
             shape = tuple(t.shape)
             zero: torch.Tensor | None = None
-            if logits.fill is not None:  # the masked_fill's own mask (a bool tensor autograd keeps)
+            own_mask = logits.fill is not None  # the masked_fill's own (a bool tensor autograd keeps)
+            if own_mask:
                 with self._reading_fields():
                     zero = logits.fill._saved_mask
                 if zero is None or zero.dtype is not torch.bool:
                     return None
-                if zero.numel() > t.numel() // 8:  # a mask larger than a bit map: the bit map
-                    logits = dataclasses.replace(logits, fill=None)
-                    zero = t.detach() == 0
-            elif logits.masked:
+                own_mask = zero.numel() <= t.numel() // 8  # a mask larger than a bit map: the bit map
+            if logits.masked and not own_mask:
                 zero = t.detach() == 0
             if logits.added or key not in self._attention_checked:
                 exact = probabilities(logits, a.source.detach(), b.source.detach(), zero, shape)
@@ -1449,7 +1447,7 @@ class Packer:
                 if not logits.added:
                     self._attention_checked.add(key)
             others: tuple[Saved | torch.Tensor, ...] = (b.saved,)
-            if logits.fill is not None and zero is not None:
+            if own_mask and zero is not None:
                 others += (zero,)  # held as autograd holds it for the masked_fill's backward
             elif zero is not None:
                 bitmap = self._codec("lossless").encode(zero)
@@ -1493,12 +1491,10 @@ class Packer:
             if node is None or type(node).__name__ not in _VIEWED:
                 break
             node, nr = node.next_functions[0]
-        if node is None or nr != 0 or type(node).__name__ != "MulBackward0":
+        operand = dropout_operand(node) if nr == 0 else None
+        if operand is None:
             return None
-        edges = node.next_functions
-        if len(edges) != 2 or edges[0][0] is None or edges[1][0] is not None:
-            return None  # a product with a tensor that has no gradient: the mask
-        below, nr = through_reshapes(edges[0][0], edges[0][1])
+        below, nr = through_reshapes(*operand)
         if nr != 0 or type(below).__name__ not in SOFTMAX:
             return None
         probs = self._producer(below, 0)
