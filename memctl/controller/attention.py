@@ -40,9 +40,10 @@ map's eighth stays where the chain's mask is not a ``masked_fill``'s), and so do
 and decode; the backward runs a matmul, the scalars, the mask and a softmax per attention
 instead, as the fused attention's backward does. The recomputation's ops run in place on the
 matmul's new output. An explicit causal attention layer (``T = 256``, 4 heads of 16, batch 8,
-``masked_fill``) at 2 bits, one thread: 3.49 -> 1.68 MiB of records, 35.4 -> 34.0 ms a step
-(plain PyTorch 21.0 ms). The recomputed probabilities carry the error of the 8-bit query and
-key through the exponential, as ``scaled_dot_product_attention``'s do under memctl.
+``masked_fill``) at 2 bits, one thread: 3.49 -> 1.68 MiB of records (memctl's own count),
+35.4 -> 34.0 ms a step (plain PyTorch 21.0 ms). The recomputed probabilities carry the error
+of the 8-bit query and key through the exponential, as ``scaled_dot_product_attention``'s do
+under memctl.
 
 A dropout between the softmax and the second matmul (nanoGPT's ``attn_dropout``, a Hugging
 Face eager attention's ``attention_dropout``) makes that matmul's operand another tensor,
