@@ -18,9 +18,10 @@ query and key records the floor walk has just raised (:class:`~memctl.controller
 Then the result keeps no payload of its own: its record is a ``Derived`` of those two
 records, and unpacking it decodes them (NOTE [ One decode for several readers ]: the first
 matmul's backward reads the same decode), multiplies them, applies the scalars and takes
-the softmax over the last dimension. A chain whose one mask is a ``masked_fill`` uses that
-op's own mask (which autograd keeps for its backward anyway; read when the probabilities are
-packed, so a padding mask that changes every batch is that batch's); any other chain with a
+the softmax over the last dimension. A chain whose one mask is a ``masked_fill`` (of a
+scalar or of a 0-dim tensor) uses that op's own mask (which autograd keeps for its backward
+anyway; read when the probabilities are packed, so a padding mask that changes every batch
+is that batch's); any other chain with a
 mask (an added mask tensor, several masks) keeps a bit map of the places where the
 probabilities were exactly 0 (1 bit a value, an eighth of the 8-bit record). Either way those
 places are masked out (``-inf``) before the softmax: a mask filled with ``-inf``, the dtype's
@@ -137,7 +138,7 @@ def logits_of(node: Any, ndim: int, scalar: Callable[[Any, str], float | None]) 
         if name in _MASKS:
             # its mask broadcasts against the softmax's input as it did against its own input
             # when no reshape lies between them
-            fills.append(None if reshaped or name != "MaskedFillBackward0" else below)
+            fills.append(None if reshaped else below)
             masked, below = True, first
         elif name in _ADDED and first is not None and second is None:
             masked = added = True

@@ -18,7 +18,7 @@ from memctl.controller.attention import logits_of, probabilities
 from memctl.controller.derived import Derived
 from memctl.controller.expressions import scalar_of
 
-_MASKS = ("none", "masked_fill", "full_mask", "additive", "lowest", "alibi", "safe")
+_MASKS = ("none", "masked_fill", "fill_tensor", "full_mask", "additive", "lowest", "alibi", "safe")
 
 
 class _Attention(nn.Module):
@@ -40,6 +40,8 @@ class _Attention(nn.Module):
         causal = self.causal[:t, :t]
         if self.mask == "masked_fill":
             s = s.masked_fill(~causal, float("-inf"))
+        elif self.mask == "fill_tensor":  # the fill value a 0-dim tensor: MaskedFillBackward1
+            s = s.masked_fill(~causal, torch.tensor(float("-inf")))
         elif self.mask == "full_mask":  # a mask of the logits' own size: a bit map is smaller
             s = s.masked_fill((~causal).expand(b, self.heads, t, t).contiguous(), float("-inf"))
         elif self.mask == "additive":
@@ -132,7 +134,7 @@ def test_probabilities_keep_no_record_and_the_gradient_stays_plain_pytorchs(mask
             assert len(saved.data.others) == (1 if mask == "none" else 2)
             if len(saved.data.others) == 2:
                 fill = isinstance(saved.data.others[1], torch.Tensor)
-                assert fill is (mask in ("masked_fill", "safe"))
+                assert fill is (mask in ("masked_fill", "fill_tensor", "safe"))
         a, b = _grads(model).double(), _grads(plain).double()
         assert float(a @ b / (a.norm() * b.norm())) > 0.9999
     finally:
