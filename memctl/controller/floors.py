@@ -160,10 +160,11 @@ _OPS: dict[str, _Op] = {
     "NativeGroupNormBackward0": _Op(STATISTICS, result=False, inputs=True, exact_extras=True),
 }
 
-# Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input).
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
-                    "TBackward0", "PermuteBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0",
-                    "AsStridedBackward0", "CloneBackward0"})
+# Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input;
+# Hugging Face's models return their last hidden state through ``aten.alias``).
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+                    "TransposeBackward0", "TBackward0", "PermuteBackward0", "ExpandBackward0",
+                    "SliceBackward0", "SelectBackward0", "AsStridedBackward0", "CloneBackward0"})
 _WALK_NODES = 16
 
 # An explicit attention: softmax(scale · q @ kᵀ (+ mask)) @ v (NOTE [ Bit floors ]).

@@ -165,13 +165,19 @@ def test_explicit_attention_matmul_operands_are_floored() -> None:
     assert alias.alias_of is softmax and alias.shape == (8, 16, 16)
 
 
-def test_layer_norm_output_saved_by_the_next_layer_takes_the_norm_floor() -> None:
+@pytest.mark.parametrize("alias", [False, True])
+def test_layer_norm_output_saved_by_the_next_layer_takes_the_norm_floor(alias: bool) -> None:
+    """``alias``: the output reaches the next layer through ``aten.alias`` (Hugging Face's
+    models return their last hidden state so: an ``AliasBackward0`` before the LM head)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
     packer = _packer(norm_bits=4)
     packer.set_parameters(nn.Module())
     with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
         y = F.layer_norm(x * 2.0, (64,))
+        if alias:
+            y = torch.ops.aten.alias(y)
+            assert type(y.grad_fn).__name__ == "AliasBackward0"
         saved = packer.pack(y.view(-1, 64))  # what F.linear saves of a 3-D input
     # no payload of its own: read from the norm's input, held at the floor (NOTE [ Norm outputs
     # recomputed from the input ] in norm_outputs.py)
