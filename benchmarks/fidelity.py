@@ -178,6 +178,29 @@ def _bert() -> nn.Module:
                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def _t5() -> nn.Module:
+    """T5: an encoder-decoder whose attention adds a learned relative-position bias (a
+    tensor with a gradient: its probabilities keep their record, NOTE [ Attention
+    probabilities recomputed from query and key ]), unscaled logits, dropout 0.1."""
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(d_model=128, d_ff=256, num_layers=2, num_heads=4, d_kv=32,
+                                               vocab_size=512, decoder_start_token_id=0, pad_token_id=0))
+
+
+def _bart() -> nn.Module:
+    """BART's decoder as a causal LM, eager attention (post-norm layers, dropout 0.1)."""
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import BartConfig, BartForCausalLM
+
+    config = BartConfig(d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+                        max_position_embeddings=64, vocab_size=512)
+    config._attn_implementation = "eager"
+    return BartForCausalLM(config)
+
+
 def _project_model(name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         if str(_ROOT) not in sys.path:
@@ -204,10 +227,16 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("convnext_atto", "image", "timm", lambda: _timm().create_model("convnext_atto", num_classes=10)),
     Spec("vit_tiny", "image", "timm", lambda: _timm().create_model(
         "vit_tiny_patch16_224", img_size=64, depth=6, num_classes=10), lr=1e-3),
+    # RegNetY: grouped convolutions, squeeze-excitation; LeViT: attention with a learned bias
+    Spec("regnety_002", "image", "timm", lambda: _timm().create_model("regnety_002", num_classes=10)),
+    Spec("levit", "image", "timm", lambda: _timm().create_model("levit_128s", img_size=64, num_classes=10),
+         lr=1e-3),
     Spec("gpt2", "lm", "transformers", _gpt2),
     Spec("gpt2_eager", "lm", "transformers", _gpt2_eager),
     Spec("llama", "lm", "transformers", _llama),
     Spec("bert", "mlm", "transformers", _bert),
+    Spec("t5", "lm", "transformers", _t5),
+    Spec("bart", "lm", "transformers", _bart),
     Spec("cnn", "image", "memctl tests", _project_model("cnn"), image=32),
     Spec("transformer_block", "tokens", "memctl tests", _project_model("transformer_block")),
     Spec("digitsnet", "digits", "memctl demo", _project_model("digitsnet"), batch=64, image=8),

@@ -1183,6 +1183,13 @@ class Packer:
                 rec.fixed_bytes += kept.nbytes
                 rec.packed_bytes += kept.nbytes
                 return Saved(kept, t)
+        if node is None and numel >= config.min_numel and t.is_cpu and type(t) is torch.Tensor:
+            two = self._two_valued(t, layer)  # NOTE [ Two-valued floats ] in the lossless codec
+            if two is not None:  # exact, one bit a value: outside the allocation's control
+                size = _nbytes(two)
+                rec.fixed_bytes += size
+                rec.packed_bytes += size
+                return Saved(two, t)
         exact = (layer == ROOT and not config.compress_outside) or (
             node is not None and type(node).__name__ in _EXACT_OPS
         )
@@ -1269,6 +1276,19 @@ class Packer:
         saved = Saved(p, t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
+
+    def _two_valued(self, t: torch.Tensor, layer: str) -> Packed | None:
+        """``t``'s lossless record when it takes at most two values (a CPU dropout's mask),
+        else None; a codec that fails leaves ``t`` to the path of any other tensor."""
+        find = getattr(self._codec("lossless"), "two_valued", None)
+        if find is None:
+            return None
+        try:
+            found: Packed | None = find(t)
+        except Exception as exc:  # the tensor then takes the usual path: nothing is lost
+            _log.debug("two-valued test of a tensor in %s failed: %s", layer, exc)
+            return None
+        return found
 
     def _batched(self, t: torch.Tensor, bits: int, seed: int, layer: str, rec: LayerStep,
                  slot: _Slot, defer: bool = False) -> Saved:
@@ -2177,3 +2197,7 @@ class _WithImpl:
     def decode(self, p: Packed, *, impl: Impl | str | None = None, **options: Any) -> torch.Tensor:
         # options: what the codec's own decode takes besides impl (quantize's mask=).
         return self._inner.decode(p, impl=impl or self._impl, **options)
+
+    def two_valued(self, t: torch.Tensor) -> Packed | None:
+        find = getattr(self._inner, "two_valued", None)
+        return None if find is None else cast(Packed | None, find(t, impl=self._impl))

@@ -279,3 +279,43 @@ def test_a_geometry_that_fitted_skips_its_first_plane_check(monkeypatch: pytest.
     for p, idx in records:
         assert p.params["layout"] == "window" and p.params["bits"] == 2
         assert torch.equal(LosslessCodec().decode(p), idx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("n", [64, 65, 1001])
+def test_two_valued_floats_take_one_bit_each(dtype: torch.dtype, n: int) -> None:
+    """A CPU dropout's mask (zeros and 1/(1-p)): one bit a value and the two values (NOTE [
+    Two-valued floats ]), byte-identical between the kernel and the reference, exact."""
+    g = torch.Generator().manual_seed(n)
+    mask = ((torch.rand(n, generator=g) > 0.1).to(dtype) / 0.9).reshape(1, n)
+    codec = LosslessCodec()
+    cpu, ref = codec.encode(mask, impl="cpu"), codec.encode(mask, impl="reference")
+    assert cpu.params["layout"] == "two" and cpu.to_bytes() == ref.to_bytes()
+    assert cpu.nbytes == math.ceil(n / 8) + 2 * mask.element_size()
+    for p in (cpu, ref):
+        assert _same(codec.decode(p, impl="cpu"), mask) and _same(codec.decode(p, impl="reference"), mask)
+    assert codec.two_valued(mask) is not None
+    assert codec.two_valued(torch.randn(n).to(dtype)) is None
+
+
+@pytest.mark.parametrize("values", [(0.0, -0.0), (math.nan, 1.0), (-math.inf, 0.0), (3.5, 3.5)])
+def test_two_valued_floats_keep_their_bit_patterns(values: tuple[float, float]) -> None:
+    """Values are told apart by their bit patterns: a signed zero, a NaN and an infinity come
+    back as they were; one value alone is two-valued too."""
+    x = torch.tensor(values * 50)
+    codec = LosslessCodec()
+    for impl in ("cpu", "reference"):
+        p = codec.encode(x, impl=impl)
+        assert p.params["layout"] == "two"
+        assert _same(codec.decode(p), x)
+
+
+def test_a_third_value_anywhere_keeps_the_raw_layout() -> None:
+    x = torch.zeros(200)
+    x[::3] = 2.0
+    for place in (1, 64, 199):
+        y = x.clone()
+        y[place] = 5.0
+        for impl in ("cpu", "reference"):
+            p = LosslessCodec().encode(y, impl=impl)
+            assert p.params["layout"] == "raw" and _same(decode(p), y)

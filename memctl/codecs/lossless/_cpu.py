@@ -14,7 +14,7 @@ from numba import prange
 
 from memctl.codecs._numba import cached_jit
 
-__all__ = ["pack", "pack_serial", "unpack", "unpack_serial"]
+__all__ = ["pack", "pack_serial", "two_valued_serial", "unpack", "unpack_serial"]
 
 _CHUNK = 1 << 14  # output bytes per prange iteration
 
@@ -83,3 +83,30 @@ def unpack(payload: Any, out: Any) -> None:
 @cached_jit()
 def unpack_serial(payload: Any, out: Any) -> None:
     _unpack_bytes(payload, out, 0, (out.size + 7) // 8)
+
+
+@cached_jit()
+def two_valued_serial(x: Any, out: Any, values: Any) -> Any:
+    """Whether the bit patterns ``x`` (a float tensor's integer view) take at most two values;
+    if so, ``values`` gets them (the first value's, then the other's, or the first's again)
+    and ``out`` the bits of ``x != values[0]`` (NOTE [ Two-valued floats ] in the codec module).
+    Stops at the first third value, so a tensor that is not two-valued costs a few reads."""
+    n = x.size
+    a = x[0]
+    b = a
+    other = False
+    for k in range((n + 7) >> 3):
+        acc = 0
+        for j in range(min(8, n - 8 * k)):
+            v = x[8 * k + j]
+            if v != a:
+                if not other:
+                    b = v
+                    other = True
+                elif v != b:
+                    return False
+                acc |= 1 << j
+        out[k] = acc
+    values[0] = a
+    values[1] = b
+    return True

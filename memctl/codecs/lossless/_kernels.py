@@ -26,6 +26,7 @@ __all__ = [
     "cuda_kernels",
     "pack_cpu",
     "pack_cuda",
+    "two_valued_cpu",
     "unpack_cpu",
     "unpack_cuda",
 ]
@@ -48,9 +49,11 @@ def cpu_kernels() -> ModuleType:
     from memctl.codecs.lossless import _cpu
 
     sig = [(nt.uint8[::1], nt.uint8[::1])]
+    two = [(w[::1], nt.uint8[::1], w[::1]) for w in (nt.int16, nt.int32, nt.int64)]
     _numba.prepare(
         "lossless",
-        [(_cpu.pack, sig), (_cpu.pack_serial, sig), (_cpu.unpack, sig), (_cpu.unpack_serial, sig)],
+        [(_cpu.pack, sig), (_cpu.pack_serial, sig), (_cpu.unpack, sig), (_cpu.unpack_serial, sig),
+         (_cpu.two_valued_serial, two)],
     )
     return _cpu
 
@@ -69,6 +72,18 @@ def pack_cpu(mask: torch.Tensor) -> torch.Tensor:
 
             _numba.launch(k.pack, k.pack_serial, *args)
     return out
+
+
+def two_valued_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(payload, values)`` of a contiguous 1-D integer CPU tensor (a float tensor's bit
+    patterns) that takes at most two values: the bits of ``x != values[0]`` packed as
+    :func:`pack_cpu` packs, and the two values; None when it takes more (NOTE [ Two-valued
+    floats ] in the codec module). One serial pass, stopped at the first third value."""
+    out = torch.empty(-(-x.numel() // 8), dtype=torch.uint8)
+    values = torch.empty(2, dtype=x.dtype)
+    if not cpu_kernels().two_valued_serial(x.numpy(), out.numpy(), values.numpy()):
+        return None
+    return out, values
 
 
 def unpack_cpu(payload: torch.Tensor, n: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "two_valued", "unpack"]
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -27,3 +27,16 @@ def unpack(payload: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.int32, device=payload.device)
     bits = (payload.to(torch.int32)[:, None] >> shifts) & 1
     return bits.reshape(-1)[:n].to(torch.bool)
+
+
+def two_valued(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Readable PyTorch form of the CPU kernel ``two_valued_serial``: for ``x`` (a float
+    tensor's 1-D integer view), ``(bits of x != x[0], the two values)`` when ``x`` takes at
+    most two values, else None."""
+    a = x[0]
+    differs = x != a
+    rest = x[differs]
+    b = rest[0] if rest.numel() else a
+    if rest.numel() and not bool((rest == b).all()):
+        return None
+    return pack(differs), torch.stack([a, b])

@@ -11,7 +11,10 @@ Format: one uint8 buffer ``payload``.
 - ``int32``/``int64`` pooling indices (at least 3 dimensions) that lie inside their pooling
   window: each value's position in its window, bit-packed (2 bits for a 2x2 window), and
   the geometry in ``params``; NOTE [ Window codes ] in ``_window.py``.
-- every other dtype (floats, uint8, int8, complex): the raw bytes of a contiguous copy.
+- floats (float16, bfloat16, float32, float64) on a CPU that take at most two distinct
+  values (bit patterns): one bit a value (buffer ``payload``, set where a value differs
+  from the first) and the two values (buffer ``values``); NOTE [ Two-valued floats ].
+- every other tensor (other floats, uint8, int8, complex): the raw bytes of a contiguous copy.
 
 The record is always a copy: modifying the tensor after ``encode`` (autograd no longer
 detects in-place changes of a saved tensor once hooks are active) leaves the record as it
@@ -49,6 +52,22 @@ _NARROW: dict[torch.dtype, tuple[tuple[int, torch.dtype], ...]] = {
     torch.int64: ((8, torch.int8), (16, torch.int16), (32, torch.int32)),
 }
 _MIN_NARROW_NUMEL = 64
+
+# NOTE [ Two-valued floats ]
+# On a CPU, ``F.dropout`` multiplies by a float mask of zeros and ``1/(1-p)``, which the
+# product's node saves: a full-size float tensor with two values (on a GPU, dropout saves a
+# bool mask instead). Stored raw it is 32 bits a value; quantised, 2 bits and the groups'
+# ranges at the least. A float tensor whose bit patterns take at most two values is stored
+# as one bit a value and the two patterns, and decoded by selecting between them on the
+# integer view, so every value, a signed zero, an infinity and a NaN's payload included,
+# comes back bit for bit. Finding out is one pass over the integer view that stops at the
+# first third value (a tensor of many values costs a few reads); the CPU kernel and the
+# PyTorch reference write the same bytes. A CUDA tensor is not tried (the answer would be
+# read back, a wait, as for NOTE [ Integer narrowing ]).
+_TWO_VALUED: dict[torch.dtype, torch.dtype] = {
+    torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 
 _NAME = "lossless"
 
@@ -100,6 +119,9 @@ class LosslessCodec:
             buffers["payload"] = torch.cat([self._pack(chosen, plane.contiguous()) for plane in planes])
             return Packed(codec=_NAME, shape=tuple(t.shape), dtype=t.dtype, device=t.device, buffers=buffers,
                           params={"layout": "window", "bits": window.bits, **window.to_params()})
+        two = self._two_valued(chosen, flat, tuple(t.shape))
+        if two is not None:
+            return two
         narrowed = _narrow(flat)
         if narrowed is not None:
             buffers["payload"], buffers["offset"], width = narrowed
@@ -115,6 +137,30 @@ class LosslessCodec:
             buffers=buffers,
             params={"layout": layout},
         )
+
+    def two_valued(self, t: torch.Tensor, *, impl: Impl | str | None = None) -> Packed | None:
+        """``encode(t)`` when ``t`` is a CPU float tensor of at most two distinct values (NOTE [
+        Two-valued floats ]), else None (a test that reads a few values of most tensors)."""
+        _backend.require_tensor(t, _NAME)
+        return self._two_valued(_backend.resolve_impl(impl, t.device), t.detach().reshape(-1), tuple(t.shape))
+
+    def _two_valued(self, chosen: Impl, flat: torch.Tensor, shape: tuple[int, ...]) -> Packed | None:
+        """The two-valued record of ``flat`` (a tensor of ``shape``, flattened), or None."""
+        view = _TWO_VALUED.get(flat.dtype)
+        if view is None or flat.numel() < _MIN_NARROW_NUMEL or not flat.is_cpu:
+            return None
+        x = flat.contiguous().view(view)
+        if chosen is Impl.CPU:
+            from memctl.codecs.lossless import _kernels as _lossless_kernels
+
+            found = _lossless_kernels.two_valued_cpu(x)
+        else:
+            found = _reference.two_valued(x)
+        if found is None:
+            return None
+        payload, values = found
+        return Packed(codec=_NAME, shape=shape, dtype=flat.dtype, device=flat.device,
+                      buffers={"payload": payload, "values": values}, params={"layout": "two"})
 
     def decode(self, p: Packed, *, impl: Impl | str | None = None) -> torch.Tensor:
         """The exact tensor a record holds, as a new tensor on the record's device."""
@@ -133,6 +179,10 @@ class LosslessCodec:
             planes = [self._unpack(chosen, payload[b * size:(b + 1) * size], p.numel)
                       for b in range(window.bits)]
             flat = _window.indices(planes, window, p.shape, p.dtype)
+        elif p.params.get("layout") == "two":
+            values = p.buffers["values"]
+            differs = self._unpack(chosen, payload, p.numel)
+            flat = torch.where(differs, values[1], values[0]).view(p.dtype)
         elif str(p.params.get("layout", "")).startswith("narrow"):
             flat = _widen(payload, p.buffers["offset"], p.dtype, int(str(p.params["layout"])[6:]))
         else:

@@ -1,0 +1,105 @@
+"""A CPU dropout's float mask is stored at one bit a value, exactly (NOTE [ Two-valued floats ]
+in memctl/codecs/lossless/codec.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memctl
+from memctl.codecs.base import Packed
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 256)
+        self.drop = nn.Dropout(0.2)
+        self.b = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(F.relu(self.a(x))))
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).double()
+
+
+def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
+                            monitor_interval_s=0)
+    records: list[Any] = []
+    pack = ctl._packer.pack
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 256):
+            records.append(saved)
+        return saved
+
+    ctl._packer.pack = recording  # type: ignore[method-assign]
+    ctl._scope._pack = recording
+    try:
+        for _ in range(2):
+            torch.manual_seed(5)
+            plain.zero_grad()
+            F.cross_entropy(plain(x), y).backward()
+            torch.manual_seed(5)
+            opt.zero_grad()
+            records.clear()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        (mask,) = (getattr(r, "saved", None) or r for r in records)
+        assert isinstance(mask.data, Packed) and mask.data.params["layout"] == "two"
+        assert mask.data.nbytes == 64 * 256 // 8 + 2 * 4
+        layer = next(row for row in ctl.stats()["layers"] if row["name"] == "drop")
+        assert layer["packed_bytes"] == mask.data.nbytes  # outside the allocation's control
+        a, b = _grads(model), _grads(plain)
+        assert float(a @ b / (a.norm() * b.norm())) > 0.9999
+    finally:
+        ctl.detach()
+
+
+def test_a_tensor_of_many_values_without_a_gradient_keeps_the_usual_path() -> None:
+    """A no-gradient float tensor that is not two-valued (a positional table) is quantised as
+    before; the test reads a few of its values."""
+    torch.manual_seed(0)
+    table = torch.randn(64, 256)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.a(x) * table).sum()
+
+    model = Scaled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, calibration_fraction=0.0, monitor_interval_s=0)
+    records: list[Any] = []
+    pack = ctl._packer.pack
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if t is table or (t.grad_fn is None and t.data_ptr() == table.data_ptr()):
+            records.append(saved)
+        return saved
+
+    ctl._packer.pack = recording  # type: ignore[method-assign]
+    ctl._scope._pack = recording
+    try:
+        model(torch.randn(64, 64)).backward()
+        (saved,) = (getattr(r, "saved", None) or r for r in records)
+        assert isinstance(saved.data, Packed) and saved.data.codec == "quantize"
+    finally:
+        ctl.detach()
