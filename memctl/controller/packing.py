@@ -204,6 +204,7 @@ from memctl.controller.floors import ATTENTION, NORM, SOFTMAX, VALUES, FloorTrac
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
+from memctl.controller.layout import LAYOUT, layout_of, replay
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.norm_outputs import NormInputs
@@ -463,6 +464,9 @@ class Packer:
         # output they were packed from (the node held, so that its id is not reused meanwhile), and
         # the bits granted to each root so far
         self._producers: dict[tuple[int, int], tuple[Any, weakref.ref[Saved]]] = {}
+        # NOTE [ Layout copies of a record ] in layout.py: structures checked, and failed
+        self._layouts_checked: set[tuple[Any, ...]] = set()
+        self._layouts_failed: set[tuple[Any, ...]] = set()
         self._granted: dict[int, int] = {}
         self._offered: dict[int, tuple[Any, Expression]] = {}
         """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
@@ -1217,6 +1221,11 @@ class Packer:
             if derived is not None:  # NOTE in attention.py: the dropout's output
                 rec.numels.pop()
                 return derived
+        if part is None and quantising and node is not None and type(node).__name__ in LAYOUT:
+            derived = self._derive_layout(t, node, bits, layer)
+            if derived is not None:  # NOTE [ Layout copies of a record ] in layout.py
+                rec.numels.pop()
+                return derived
         floor = self._floors.result_floor(node) if part is None else None
         if floor is not None and bits < floor and quantising:
             rec.numels.pop()
@@ -1532,6 +1541,37 @@ class Packer:
             return (p * m).reshape(shape)
 
         return Saved(Derived(probs, dropped, (mask,)), t, layer=layer)
+
+    def _derive_layout(self, t: torch.Tensor, node: Any, bits: float, layer: str) -> Saved | None:
+        """``t`` kept as a quantised record of this forward laid out again, or None (NOTE [
+        Layout copies of a record ] in layout.py)."""
+        found = layout_of(node)
+        if found is None:
+            return None
+        below, nr, steps = found
+        root = self._producer(below, nr)
+        data = root.data if root is not None else None
+        if root is None or not isinstance(data, Packed) or data.codec != "quantize" \
+                or int(data.params["bits"]) < bits:
+            return None
+        contiguous = t.is_contiguous()
+        key = (steps, contiguous, t.dtype, t.device.type)
+        if key in self._layouts_failed:
+            return None
+        laid_out = replay(steps, contiguous)
+        if key not in self._layouts_checked:
+            source = root.source() if root.source is not None else None
+            if source is None or source._version != root.version:
+                return None  # nothing to check against now: its own record this time
+            try:
+                same = torch.equal(laid_out(source.detach()), t.detach())
+            except RuntimeError:  # a shape the steps do not fit
+                same = False
+            (self._layouts_checked if same else self._layouts_failed).add(key)
+            if not same:
+                return None
+        root.readers += 1  # NOTE [ One decode for several readers ]
+        return Saved(Derived(root, laid_out), t, layer=layer)
 
     def _raise_to_floor(self, found: Raise) -> None:
         """Store a record packed at its layer's bits again at its op's floor, or exact

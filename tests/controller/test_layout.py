@@ -1,0 +1,133 @@
+"""Layout copies of a record (NOTE [ Layout copies of a record ], memctl/controller/layout.py)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memctl
+import memctl.controller.packing as packing
+from memctl.codecs.base import Packed
+from memctl.controller.derived import Derived
+from memctl.controller.layout import layout_of, replay
+
+
+class _Attention(nn.Module):
+    """A fused attention whose output the projection reads in another layout, as Hugging
+    Face's models and timm's ViT write it (``how``: the layout ops between them)."""
+
+    def __init__(self, how: str, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.how, self.heads = how, heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).chunk(3, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d / heads)
+        if self.how == "contiguous":  # Llama, Mistral, GPT-NeoX
+            y = out.transpose(1, 2).contiguous().reshape(b, t, d)
+        elif self.how == "reshape":  # timm's ViT
+            y = out.transpose(1, 2).reshape(b, t, d)
+        elif self.how == "permute":
+            y = out.permute(0, 2, 1, 3).reshape(b, t, d)
+        else:  # "slice": not every value of the record (its own record)
+            y = out.transpose(1, 2).reshape(b, t, d)[:, 1:].contiguous()
+        return self.proj(y)
+
+
+def _records(ctl: memctl.Controller, keep: Any) -> list[Any]:
+    found: list[Any] = []
+    pack = ctl._packer.pack
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if keep(t):
+            found.append(saved)
+        return saved
+
+    ctl._packer.pack = recording  # type: ignore[method-assign]
+    ctl._scope._pack = recording
+    return found
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+
+
+@pytest.mark.parametrize("how", ["contiguous", "reshape", "permute", "slice"])
+def test_the_projection_reads_the_attention_output_record(how: str) -> None:
+    torch.manual_seed(0)
+    model = _Attention(how)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 64, 32)
+    plain(x).square().mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
+                            monitor_interval_s=0, min_numel=0)
+    try:
+        rows = 4 * (63 if how == "slice" else 64)
+        inputs = _records(ctl, lambda t: tuple(t.shape) == (rows, 32) and t.grad_fn is not None)
+        for _ in range(2):  # the second step: the structure was checked once
+            inputs.clear()
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        saved = inputs[-1]  # the projection's input (a 2-D view of a 3-D tensor)
+        saved = getattr(saved, "saved", None) or saved
+        if how == "slice":
+            assert isinstance(saved.data, Packed)
+        else:
+            assert isinstance(saved.data, Derived)
+            root = saved.data.source.data
+            assert isinstance(root, Packed) and root.params["bits"] == 8
+        a, b = _grads(model), _grads(plain)
+        assert float(a @ b / (a.norm() * b.norm())) > 0.9999
+    finally:
+        ctl.detach()
+
+
+def test_at_two_bits_the_copy_costs_no_bytes() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 32)
+    sizes = {}
+    saved_layout = packing.LAYOUT
+    for on in (True, False):
+        model = _Attention("contiguous")
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        ctl = memctl.Controller(model, opt, bits=2.0, calibration_fraction=0.0, monitor_interval_s=0,
+                                min_numel=0)
+        if not on:  # the layout derivation switched off
+            packing.LAYOUT = frozenset()
+        try:
+            for _ in range(2):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            sizes[on] = next(r for r in ctl.stats()["layers"] if r["name"] == "proj")["packed_bytes"]
+        finally:
+            ctl.detach()
+            packing.LAYOUT = saved_layout
+    assert sizes[True] == 0 < sizes[False]
+
+
+def test_layout_of_reads_the_steps_and_replay_rebuilds_the_copy() -> None:
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    base = x * 1.0
+    y = base.transpose(1, 2).contiguous().view(2, 4, 15).permute(2, 0, 1).reshape(15, 8)
+    found = layout_of(y.grad_fn)
+    assert found is not None
+    below, nr, steps = found
+    assert below is base.grad_fn and nr == 0
+    assert torch.equal(replay(steps, y.is_contiguous())(base.detach()), y.detach())
+    # a slice is not a layout op: the chain stops at it (a record of the slice would serve)
+    sliced = base[:, 1:]
+    found = layout_of(sliced.transpose(0, 1).grad_fn)
+    assert found is not None and found[0] is sliced.grad_fn
