@@ -70,3 +70,20 @@ def spy_records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
 
     monkeypatch.setattr(packing.Packer, "_pack_new", spy)
     return out
+
+
+def eight_bits_beside_plain(model: torch.nn.Module, x: torch.Tensor, **options: Any) -> tuple[Any, Any, Any]:
+    """``(plain, optimizer, controller)``: a copy of ``model`` with plain PyTorch's gradient of
+    ``model(x).square().mean()``, and ``model`` under a controller at 8 bits everywhere
+    (calibration off, every tensor compressed) with a learning rate of 0, for tests that
+    compare memctl's gradient with plain's."""
+    import copy
+
+    import memctl
+
+    plain = copy.deepcopy(model)
+    plain(x).square().mean().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
+                            monitor_interval_s=0, min_numel=0, **options)
+    return plain, opt, ctl

@@ -17,6 +17,7 @@ from memctl.codecs.base import Packed
 from memctl.controller.attention import logits_of, probabilities
 from memctl.controller.derived import Derived
 from memctl.controller.expressions import scalar_of
+from tests.controller.packers import eight_bits_beside_plain
 
 _MASKS = ("none", "masked_fill", "fill_tensor", "full_mask", "additive", "lowest", "alibi", "safe")
 
@@ -112,12 +113,8 @@ def test_probabilities_keep_no_record_and_the_gradient_stays_plain_pytorchs(mask
     within the 8-bit records' error; an ALiBi bias fails the check and keeps the record."""
     torch.manual_seed(0)
     model = _Attention(mask)
-    plain = copy.deepcopy(model)
     x = torch.randn(2, 24, 32)
-    plain(x).square().mean().backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
-                            monitor_interval_s=0, min_numel=0)
+    plain, opt, ctl = eight_bits_beside_plain(model, x)
     try:
         records = _recording(ctl)
         for _ in range(2):  # the second forward: a structure checked once is not checked again

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import memctl.controller.packing as packing
 from memctl.codecs.base import Packed
 from memctl.controller.derived import Derived
 from memctl.controller.layout import layout_of, replay
+from tests.controller.packers import eight_bits_beside_plain
 
 
 class _Attention(nn.Module):
@@ -66,12 +66,8 @@ def _grads(model: nn.Module) -> torch.Tensor:
 def test_the_projection_reads_the_attention_output_record(how: str) -> None:
     torch.manual_seed(0)
     model = _Attention(how)
-    plain = copy.deepcopy(model)
     x = torch.randn(4, 64, 32)
-    plain(x).square().mean().backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
-                            monitor_interval_s=0, min_numel=0)
+    plain, opt, ctl = eight_bits_beside_plain(model, x)
     try:
         rows = 4 * (63 if how == "slice" else 64)
         inputs = _records(ctl, lambda t: tuple(t.shape) == (rows, 32) and t.grad_fn is not None)
