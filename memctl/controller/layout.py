@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LAYOUT", "Layout", "layout_of", "replay"]
+__all__ = ["LAYOUT", "Layout", "below_layout", "layout_of", "replay"]
 
 _RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
 LAYOUT = frozenset({*_RESHAPES, "TransposeBackward0", "PermuteBackward0", "CloneBackward0"})
@@ -68,6 +68,21 @@ def _step(node: Any, name: str) -> Step | None:
     if name == "PermuteBackward0":
         return ("permute", tuple(_signed(d) for d in node._saved_dims))
     return ("reshape", tuple(int(s) for s in node._input_metadata[0].shape))
+
+
+def below_layout(node: Any) -> tuple[Any, int] | None:
+    """``(node, output number)`` of the first node below a layout chain that starts at
+    ``node``, or None when the chain is longer than :data:`_LIMIT` nodes (node types only:
+    what a pack whose tensor has no record to read from pays)."""
+    for _ in range(_LIMIT):
+        edges = node.next_functions
+        if not edges or edges[0][0] is None:
+            return None
+        below, nr = edges[0]
+        if type(below).__name__ not in LAYOUT:
+            return below, int(nr)
+        node = below
+    return None
 
 
 def layout_of(node: Any) -> Layout | None:

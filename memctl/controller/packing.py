@@ -204,7 +204,7 @@ from memctl.controller.floors import ATTENTION, NORM, SOFTMAX, VALUES, FloorTrac
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
-from memctl.controller.layout import LAYOUT, layout_of, replay
+from memctl.controller.layout import LAYOUT, below_layout, layout_of, replay
 from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_probs, is_log_softmax
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.norm_outputs import NormInputs
@@ -286,6 +286,11 @@ def _held_small(t: torch.Tensor, nbytes: int) -> torch.Tensor:
         return t.detach().clone(memory_format=torch.contiguous_format)
     return t.detach()
 
+
+_TWO_VALUED_FROM = BATCH_BELOW
+"""Values from which a float tensor without a gradient is tested for two values (NOTE [
+Two-valued floats ] in the lossless codec): below, the test's ~10 µs outweighs what one bit a
+value saves over a batched record (a recurrent layer's zero initial state)."""
 
 _QUEUE_RECORDS = 64
 """Tensors queued before the queue is packed (NOTE [ Packs queued in the forward ])."""
@@ -1187,7 +1192,7 @@ class Packer:
                 rec.fixed_bytes += kept.nbytes
                 rec.packed_bytes += kept.nbytes
                 return Saved(kept, t)
-        if node is None and numel >= config.min_numel and t.is_cpu and type(t) is torch.Tensor:
+        if node is None and numel >= _TWO_VALUED_FROM and t.is_cpu and type(t) is torch.Tensor:
             two = self._two_valued(t, layer)  # NOTE [ Two-valued floats ] in the lossless codec
             if two is not None:  # exact, one bit a value: outside the allocation's control
                 size = _nbytes(two)
@@ -1545,15 +1550,16 @@ class Packer:
     def _derive_layout(self, t: torch.Tensor, node: Any, bits: float, layer: str) -> Saved | None:
         """``t`` kept as a quantised record of this forward laid out again, or None (NOTE [
         Layout copies of a record ] in layout.py)."""
-        found = layout_of(node)
-        if found is None:
-            return None
-        below, nr, steps = found
-        root = self._producer(below, nr)
+        bottom = below_layout(node)
+        root = self._producer(*bottom) if bottom is not None else None
         data = root.data if root is not None else None
         if root is None or not isinstance(data, Packed) or data.codec != "quantize" \
                 or int(data.params["bits"]) < bits:
+            return None  # (the common case, found from node types alone)
+        found = layout_of(node)
+        if found is None:
             return None
+        steps = found[2]
         contiguous = t.is_contiguous()
         key = (steps, contiguous, t.dtype, t.device.type)
         if key in self._layouts_failed:

@@ -17,9 +17,9 @@ from memctl.codecs.base import Packed
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(64, 256)
+        self.a = nn.Linear(64, 1024)  # a (64, 1024) mask: 65,536 values, where the test starts
         self.drop = nn.Dropout(0.2)
-        self.b = nn.Linear(256, 10)
+        self.b = nn.Linear(1024, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.drop(F.relu(self.a(x))))
@@ -42,7 +42,7 @@ def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
 
     def recording(t: torch.Tensor) -> Any:
         saved = pack(t)
-        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 256):
+        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 1024):
             records.append(saved)
         return saved
 
@@ -60,7 +60,7 @@ def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
             opt.step()
         (mask,) = (getattr(r, "saved", None) or r for r in records)
         assert isinstance(mask.data, Packed) and mask.data.params["layout"] == "two"
-        assert mask.data.nbytes == 64 * 256 // 8 + 2 * 4
+        assert mask.data.nbytes == 64 * 1024 // 8 + 2 * 4
         layer = next(row for row in ctl.stats()["layers"] if row["name"] == "drop")
         assert layer["packed_bytes"] == mask.data.nbytes  # outside the allocation's control
         a, b = _grads(model), _grads(plain)
@@ -69,16 +69,42 @@ def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
         ctl.detach()
 
 
+def test_a_small_mask_keeps_the_usual_path() -> None:
+    """Below 65,536 values the test is not made (a recurrent layer's zero initial state):
+    the mask is quantised, as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.2), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, calibration_fraction=0.0, monitor_interval_s=0)
+    records: list[Any] = []
+    pack = ctl._packer.pack
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 128):
+            records.append(saved)
+        return saved
+
+    ctl._packer.pack = recording  # type: ignore[method-assign]
+    ctl._scope._pack = recording
+    try:
+        model(torch.randn(64, 64)).sum().backward()
+        (saved,) = (getattr(r, "saved", None) or r for r in records)
+        assert getattr(saved.data, "codec", None) == "quantize"
+    finally:
+        ctl.detach()
+
+
 def test_a_tensor_of_many_values_without_a_gradient_keeps_the_usual_path() -> None:
     """A no-gradient float tensor that is not two-valued (a positional table) is quantised as
     before; the test reads a few of its values."""
     torch.manual_seed(0)
-    table = torch.randn(64, 256)
+    table = torch.randn(64, 1024)
 
     class Scaled(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = nn.Linear(64, 256)
+            self.a = nn.Linear(64, 1024)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return (self.a(x) * table).sum()
