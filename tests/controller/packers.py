@@ -87,3 +87,20 @@ def eight_bits_beside_plain(model: torch.nn.Module, x: torch.Tensor, **options: 
     ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
                             monitor_interval_s=0, min_numel=0, **options)
     return plain, opt, ctl
+
+
+def records_of(ctl: Any, keep: Callable[[torch.Tensor], bool]) -> list[Any]:
+    """A list that receives what ``ctl``'s pack hook returns for every tensor ``keep`` picks,
+    from now on (a queued pack's handle: :func:`record_of` gives its record)."""
+    found: list[Any] = []
+    pack = ctl._packer.pack
+
+    def recording(t: torch.Tensor) -> Any:
+        saved = pack(t)
+        if keep(t):
+            found.append(saved)
+        return saved
+
+    ctl._packer.pack = recording
+    ctl._scope._pack = recording
+    return found

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +12,7 @@ import memctl.controller.packing as packing
 from memctl.codecs.base import Packed
 from memctl.controller.derived import Derived
 from memctl.controller.layout import layout_of, replay
-from tests.controller.packers import eight_bits_beside_plain
+from tests.controller.packers import eight_bits_beside_plain, record_of, records_of
 
 
 class _Attention(nn.Module):
@@ -43,21 +41,6 @@ class _Attention(nn.Module):
         return self.proj(y)
 
 
-def _records(ctl: memctl.Controller, keep: Any) -> list[Any]:
-    found: list[Any] = []
-    pack = ctl._packer.pack
-
-    def recording(t: torch.Tensor) -> Any:
-        saved = pack(t)
-        if keep(t):
-            found.append(saved)
-        return saved
-
-    ctl._packer.pack = recording  # type: ignore[method-assign]
-    ctl._scope._pack = recording
-    return found
-
-
 def _grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
 
@@ -70,14 +53,13 @@ def test_the_projection_reads_the_attention_output_record(how: str) -> None:
     plain, opt, ctl = eight_bits_beside_plain(model, x)
     try:
         rows = 4 * (63 if how == "slice" else 64)
-        inputs = _records(ctl, lambda t: tuple(t.shape) == (rows, 32) and t.grad_fn is not None)
+        inputs = records_of(ctl, lambda t: tuple(t.shape) == (rows, 32) and t.grad_fn is not None)
         for _ in range(2):  # the second step: the structure was checked once
             inputs.clear()
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
-        saved = inputs[-1]  # the projection's input (a 2-D view of a 3-D tensor)
-        saved = getattr(saved, "saved", None) or saved
+        saved = record_of(inputs[-1])  # the projection's input (a 2-D view of a 3-D tensor)
         if how == "slice":
             assert isinstance(saved.data, Packed)
         else:

@@ -4,7 +4,6 @@ in memctl/codecs/lossless/codec.py)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +11,7 @@ from torch import nn
 
 import memctl
 from memctl.codecs.base import Packed
+from tests.controller.packers import record_of, records_of
 
 
 class _Net(nn.Module):
@@ -37,17 +37,7 @@ def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), calibration_fraction=0.0,
                             monitor_interval_s=0)
-    records: list[Any] = []
-    pack = ctl._packer.pack
-
-    def recording(t: torch.Tensor) -> Any:
-        saved = pack(t)
-        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 1024):
-            records.append(saved)
-        return saved
-
-    ctl._packer.pack = recording  # type: ignore[method-assign]
-    ctl._scope._pack = recording
+    records = records_of(ctl, lambda t: t.grad_fn is None and t.is_floating_point() and t.shape == (64, 1024))
     try:
         for _ in range(2):
             torch.manual_seed(5)
@@ -58,7 +48,7 @@ def test_a_dropout_mask_takes_one_bit_and_trains_as_plain_pytorch() -> None:
             records.clear()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        (mask,) = (getattr(r, "saved", None) or r for r in records)
+        (mask,) = (record_of(r) for r in records)
         assert isinstance(mask.data, Packed) and mask.data.params["layout"] == "two"
         assert mask.data.nbytes == 64 * 1024 // 8 + 2 * 4
         layer = next(row for row in ctl.stats()["layers"] if row["name"] == "drop")
@@ -76,20 +66,10 @@ def test_a_small_mask_keeps_the_usual_path() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.2), nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, calibration_fraction=0.0, monitor_interval_s=0)
-    records: list[Any] = []
-    pack = ctl._packer.pack
-
-    def recording(t: torch.Tensor) -> Any:
-        saved = pack(t)
-        if t.grad_fn is None and t.is_floating_point() and t.shape == (64, 128):
-            records.append(saved)
-        return saved
-
-    ctl._packer.pack = recording  # type: ignore[method-assign]
-    ctl._scope._pack = recording
+    records = records_of(ctl, lambda t: t.grad_fn is None and t.is_floating_point() and t.shape == (64, 128))
     try:
         model(torch.randn(64, 64)).sum().backward()
-        (saved,) = (getattr(r, "saved", None) or r for r in records)
+        (saved,) = (record_of(r) for r in records)
         assert getattr(saved.data, "codec", None) == "quantize"
     finally:
         ctl.detach()
@@ -112,20 +92,10 @@ def test_a_tensor_of_many_values_without_a_gradient_keeps_the_usual_path() -> No
     model = Scaled()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memctl.Controller(model, opt, bits=2.0, calibration_fraction=0.0, monitor_interval_s=0)
-    records: list[Any] = []
-    pack = ctl._packer.pack
-
-    def recording(t: torch.Tensor) -> Any:
-        saved = pack(t)
-        if t is table or (t.grad_fn is None and t.data_ptr() == table.data_ptr()):
-            records.append(saved)
-        return saved
-
-    ctl._packer.pack = recording  # type: ignore[method-assign]
-    ctl._scope._pack = recording
+    records = records_of(ctl, lambda t: t.grad_fn is None and t.data_ptr() == table.data_ptr())
     try:
         model(torch.randn(64, 64)).backward()
-        (saved,) = (getattr(r, "saved", None) or r for r in records)
+        (saved,) = (record_of(r) for r in records)
         assert isinstance(saved.data, Packed) and saved.data.codec == "quantize"
     finally:
         ctl.detach()
