@@ -26,10 +26,21 @@ layout's steps, dtype, device) before any record is dropped this way; while that
 is gone (nothing holds it), the copy keeps its own record. A structure that failed once
 is not tried again.
 
-Not derived: a chain whose first other node has no quantised record (a slice, a select or
-an expand stops the walk, so only a record of the slice itself would serve), a record kept
-exact or rebuilt itself (``Derived``), one at fewer bits than the copy's layer would take,
-the error-bound codec.
+An attention written out (OPT, T5, BART, nanoGPT: ``probs @ v``, then the same layout)
+has no record of its output: the matmul saves its operands, not its result. When the node
+below the chain is a matmul (``bmm``, ``mm``) whose two saved operands are records of this
+forward (the probabilities, recomputed or at the attention floor, and the value at its
+floor; each quantised at no fewer bits than the copy's layer would take, or rebuilt), the
+copy is that matmul of the two decoded records, laid out: one matmul more in the backward,
+as the fused attention's backward recomputes, and no bytes; checked the same way, against
+the matmul of the exact operands. The operands are the handles autograd hands the unpack
+hook for the matmul's saved fields (NOTE [ Attention probabilities recomputed from query
+and key ] in attention.py reads a dropout's mask so).
+
+Not derived: a chain whose first other node has no quantised record and is no such matmul
+(a slice, a select or an expand stops the walk, so only a record of the slice itself would
+serve), a record kept exact or rebuilt itself (``Derived``), one at fewer bits than the
+copy's layer would take, the error-bound codec.
 """
 
 from __future__ import annotations

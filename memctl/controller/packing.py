@@ -1548,36 +1548,66 @@ class Packer:
         return Saved(Derived(probs, dropped, (mask,)), t, layer=layer)
 
     def _derive_layout(self, t: torch.Tensor, node: Any, bits: float, layer: str) -> Saved | None:
-        """``t`` kept as a quantised record of this forward laid out again, or None (NOTE [
-        Layout copies of a record ] in layout.py)."""
+        """``t`` kept as a quantised record of this forward laid out again, or as a matmul of
+        two records laid out, or None (NOTE [ Layout copies of a record ] in layout.py)."""
         bottom = below_layout(node)
-        root = self._producer(*bottom) if bottom is not None else None
+        if bottom is None:
+            return None
+        root = self._producer(*bottom)
         data = root.data if root is not None else None
-        if root is None or not isinstance(data, Packed) or data.codec != "quantize" \
-                or int(data.params["bits"]) < bits:
+        if root is not None:
+            if not isinstance(data, Packed) or data.codec != "quantize" or int(data.params["bits"]) < bits:
+                return None
+            operands: tuple[Any, ...] = (root,)
+        elif type(bottom[0]).__name__ in _PRODUCTS and bottom[1] == 0:
+            found_operands = self._product_operands(bottom[0], bits)
+            if found_operands is None:
+                return None
+            operands = found_operands
+        else:
             return None  # (the common case, found from node types alone)
         found = layout_of(node)
         if found is None:
             return None
         steps = found[2]
         contiguous = t.is_contiguous()
-        key = (steps, contiguous, t.dtype, t.device.type)
+        product = _PRODUCTS.get(type(bottom[0]).__name__) if root is None else None
+        key = (type(bottom[0]).__name__ if product else None, steps, contiguous, t.dtype, t.device.type)
         if key in self._layouts_failed:
             return None
         laid_out = replay(steps, contiguous)
+        fn = laid_out if product is None else _laid_out_product(product, laid_out)
         if key not in self._layouts_checked:
-            source = root.source() if root.source is not None else None
-            if source is None or source._version != root.version:
+            found_exact = [_exact_operand(h) for h in operands]
+            exact = [x for x in found_exact if x is not None]
+            if len(exact) < len(found_exact):
                 return None  # nothing to check against now: its own record this time
             try:
-                same = torch.equal(laid_out(source.detach()), t.detach())
+                same = torch.equal(fn(*exact), t.detach())
             except RuntimeError:  # a shape the steps do not fit
                 same = False
             (self._layouts_checked if same else self._layouts_failed).add(key)
             if not same:
                 return None
-        root.readers += 1  # NOTE [ One decode for several readers ]
-        return Saved(Derived(root, laid_out), t, layer=layer)
+        for h in operands:  # NOTE [ One decode for several readers ]
+            (h.alias_of if isinstance(h, Alias) else h).readers += 1
+        return Saved(Derived(operands[0], fn, operands[1:]), t, layer=layer)
+
+    def _product_operands(self, node: Any, bits: float) -> tuple[Any, Any] | None:
+        """The records of a matmul's two operands (an eager attention's probabilities and
+        value), each quantised at no fewer than ``bits`` or rebuilt from records, else None."""
+        handles = (self._saved_handle(node, "_saved_self"), self._saved_handle(node, "_saved_mat2"))
+        for h in handles:
+            rec = h.alias_of if isinstance(h, Alias) else h
+            if not isinstance(rec, Saved):
+                return None
+            data = rec.data
+            if isinstance(data, Packed):
+                if data.codec != "quantize" or int(data.params["bits"]) < bits:
+                    return None
+            elif not isinstance(data, Derived):
+                return None
+        return handles
 
     def _raise_to_floor(self, found: Raise) -> None:
         """Store a record packed at its layer's bits again at its op's floor, or exact
@@ -2112,6 +2142,29 @@ class Packer:
                 codec = _WithImpl(codec, self._config.codec_impl)
             self._codecs[name] = codec
         return codec
+
+
+_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
+"""Matmuls whose output a layout copy may be rebuilt from (NOTE [ Layout copies of a record ])."""
+
+
+def _laid_out_product(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      laid_out: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def rebuilt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return laid_out(product(a, b))
+
+    return rebuilt
+
+
+def _exact_operand(handle: Any) -> torch.Tensor | None:
+    """The tensor a record (or an alias of one) was packed from, alive and unmodified, in the
+    handle's shape; else None."""
+    rec = handle.alias_of if isinstance(handle, Alias) else handle
+    source = rec.source() if rec.source is not None else None
+    if source is None or source._version != rec.version:
+        return None
+    return source.detach().reshape(handle.shape) if isinstance(handle, Alias) else source.detach()
 
 
 def _nbytes(p: Packed) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +31,13 @@ class _Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
                    for z in self.qkv(x).chunk(3, dim=-1))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d / heads)
-        if self.how == "contiguous":  # Llama, Mistral, GPT-NeoX
+        if self.how == "eager":  # OPT, T5, BART: the probabilities' product, which no op saves
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            out = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, t, d / heads)
+        if self.how in ("contiguous", "eager"):  # Llama, Mistral, GPT-NeoX; OPT, T5, BART
             y = out.transpose(1, 2).contiguous().reshape(b, t, d)
         elif self.how == "reshape":  # timm's ViT
             y = out.transpose(1, 2).reshape(b, t, d)
@@ -45,7 +52,7 @@ def _grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
 
 
-@pytest.mark.parametrize("how", ["contiguous", "reshape", "permute", "slice"])
+@pytest.mark.parametrize("how", ["contiguous", "reshape", "permute", "slice", "eager"])
 def test_the_projection_reads_the_attention_output_record(how: str) -> None:
     torch.manual_seed(0)
     model = _Attention(how)
@@ -62,6 +69,8 @@ def test_the_projection_reads_the_attention_output_record(how: str) -> None:
         saved = record_of(inputs[-1])  # the projection's input (a 2-D view of a 3-D tensor)
         if how == "slice":
             assert isinstance(saved.data, Packed)
+        elif how == "eager":  # the product of the probabilities' and the value's records
+            assert isinstance(saved.data, Derived) and len(saved.data.others) == 1
         else:
             assert isinstance(saved.data, Derived)
             root = saved.data.source.data
