@@ -1596,6 +1596,8 @@ class Packer:
     def _product_operands(self, node: Any, bits: float) -> tuple[Any, Any] | None:
         """The records of a matmul's two operands (an eager attention's probabilities and
         value), each quantised at no fewer than ``bits`` or rebuilt from records, else None."""
+        if any(_from_parameter(edge) for edge, _ in node.next_functions):
+            return None  # a linear layer's matmul: its weight is no record (known from node types)
         handles = (self._saved_handle(node, "_saved_self"), self._saved_handle(node, "_saved_mat2"))
         for h in handles:
             rec = h.alias_of if isinstance(h, Alias) else h
@@ -2155,6 +2157,22 @@ def _laid_out_product(product: Callable[[torch.Tensor, torch.Tensor], torch.Tens
         return laid_out(product(a, b))
 
     return rebuilt
+
+
+def _from_parameter(node: Any) -> bool:
+    """Whether a matmul's input edge is a leaf's gradient accumulator (a parameter), directly
+    or through a transpose or a view."""
+    for _ in range(3):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name not in ("TBackward0", "TransposeBackward0", "ViewBackward0", "ExpandBackward0"):
+            return False
+        edges = node.next_functions
+        node = edges[0][0] if edges else None
+    return False
 
 
 def _exact_operand(handle: Any) -> torch.Tensor | None:
