@@ -75,9 +75,11 @@ import torch
 from memctl.controller.derived import RESHAPES
 from memctl.controller.floors import SOFTMAX
 
-__all__ = ["Logits", "logits_of", "probabilities"]
+__all__ = ["MATMULS", "Logits", "logits_of", "probabilities"]
 
-_MATMULS = {"BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
+MATMULS = {"BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
+"""The matmuls recomputed, by node type (also a layout copy's product, NOTE [ Layout copies of
+a record ] in layout.py)."""
 _SCALAR_MUL = frozenset({"MulBackward0", "MulBackward1"})
 _SCALAR_DIV = frozenset({"DivBackward0", "DivBackward1"})
 _MASKS = frozenset({"MaskedFillBackward0", "MaskedFillBackward1"})
@@ -125,7 +127,7 @@ def logits_of(node: Any, ndim: int, scalar: Callable[[Any, str], float | None]) 
         if below is None:
             return None
         name = type(below).__name__
-        if name in _MATMULS:
+        if name in MATMULS:
             fill = fills[0] if len(fills) == 1 and not added else None
             return Logits(type(node).__name__, below, tuple(reversed(scalars)), masked, added, fill)
         edges = below.next_functions
@@ -179,7 +181,7 @@ def probabilities(logits: Logits, a: torch.Tensor, b: torch.Tensor, zero: torch.
     exact tensors for the check), with ``zero``'s places masked out (a bit map of ``shape``'s
     size, or the ``masked_fill``'s own mask, which broadcasts), in ``shape``. The matmul's
     output is new: the rest runs in place on it, as the forward's ops gave the same values."""
-    s = _MATMULS[type(logits.matmul).__name__](a, b).reshape(shape)
+    s = MATMULS[type(logits.matmul).__name__](a, b).reshape(shape)
     for kind, c in logits.scalars:
         if kind == "mul":
             s.mul_(c)

@@ -50,10 +50,11 @@ from typing import Any
 
 import torch
 
+from memctl.controller.derived import RESHAPES
+
 __all__ = ["LAYOUT", "Layout", "below_layout", "layout_of", "replay"]
 
-_RESHAPES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
-LAYOUT = frozenset({*_RESHAPES, "TransposeBackward0", "PermuteBackward0", "CloneBackward0"})
+LAYOUT = frozenset({*RESHAPES, "TransposeBackward0", "PermuteBackward0", "CloneBackward0"})
 """The nodes of ops that only lay their input's values out again."""
 _LIMIT = 8
 """Most layout nodes walked."""

@@ -183,7 +183,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
-from memctl.controller.attention import logits_of, probabilities
+from memctl.controller.attention import MATMULS, logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
@@ -1294,11 +1294,8 @@ class Packer:
     def _two_valued(self, t: torch.Tensor, layer: str) -> Packed | None:
         """``t``'s lossless record when it takes at most two values (a CPU dropout's mask),
         else None; a codec that fails leaves ``t`` to the path of any other tensor."""
-        find = getattr(self._codec("lossless"), "two_valued", None)
-        if find is None:
-            return None
         try:
-            found: Packed | None = find(t)
+            found: Packed | None = self._codec("lossless").two_valued(t)  # type: ignore[attr-defined]
         except Exception as exc:  # the tensor then takes the usual path: nothing is lost
             _log.debug("two-valued test of a tensor in %s failed: %s", layer, exc)
             return None
@@ -1554,16 +1551,18 @@ class Packer:
         if bottom is None:
             return None
         root = self._producer(*bottom)
-        data = root.data if root is not None else None
+        product = None
         if root is not None:
+            data = root.data
             if not isinstance(data, Packed) or data.codec != "quantize" or int(data.params["bits"]) < bits:
                 return None
             operands: tuple[Any, ...] = (root,)
-        elif type(bottom[0]).__name__ in _PRODUCTS and bottom[1] == 0:
+        elif type(bottom[0]).__name__ in MATMULS and bottom[1] == 0:
             found_operands = self._product_operands(bottom[0], bits)
             if found_operands is None:
                 return None
             operands = found_operands
+            product = type(bottom[0]).__name__
         else:
             return None  # (the common case, found from node types alone)
         found = layout_of(node)
@@ -1571,12 +1570,11 @@ class Packer:
             return None
         steps = found[2]
         contiguous = t.is_contiguous()
-        product = _PRODUCTS.get(type(bottom[0]).__name__) if root is None else None
-        key = (type(bottom[0]).__name__ if product else None, steps, contiguous, t.dtype, t.device.type)
+        key = (product, steps, contiguous, t.dtype, t.device.type)
         if key in self._layouts_failed:
             return None
         laid_out = replay(steps, contiguous)
-        fn = laid_out if product is None else _laid_out_product(product, laid_out)
+        fn = laid_out if product is None else _laid_out_product(MATMULS[product], laid_out)
         if key not in self._layouts_checked:
             found_exact = [_exact_operand(h) for h in operands]
             exact = [x for x in found_exact if x is not None]
@@ -1590,7 +1588,7 @@ class Packer:
             if not same:
                 return None
         for h in operands:  # NOTE [ One decode for several readers ]
-            (h.alias_of if isinstance(h, Alias) else h).readers += 1
+            _aliased(h).readers += 1
         return Saved(Derived(operands[0], fn, operands[1:]), t, layer=layer)
 
     def _product_operands(self, node: Any, bits: float) -> tuple[Any, Any] | None:
@@ -1600,7 +1598,7 @@ class Packer:
             return None  # a linear layer's matmul: its weight is no record (known from node types)
         handles = (self._saved_handle(node, "_saved_self"), self._saved_handle(node, "_saved_mat2"))
         for h in handles:
-            rec = h.alias_of if isinstance(h, Alias) else h
+            rec = _aliased(h)
             if not isinstance(rec, Saved):
                 return None
             data = rec.data
@@ -2146,11 +2144,6 @@ class Packer:
         return codec
 
 
-_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "BmmBackward0": torch.bmm, "MmBackward0": torch.mm}
-"""Matmuls whose output a layout copy may be rebuilt from (NOTE [ Layout copies of a record ])."""
-
-
 def _laid_out_product(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       laid_out: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     def rebuilt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -2175,10 +2168,15 @@ def _from_parameter(node: Any) -> bool:
     return False
 
 
+def _aliased(handle: Any) -> Any:
+    """The record a handle stands for: an alias's record, anything else itself."""
+    return handle.alias_of if isinstance(handle, Alias) else handle
+
+
 def _exact_operand(handle: Any) -> torch.Tensor | None:
     """The tensor a record (or an alias of one) was packed from, alive and unmodified, in the
     handle's shape; else None."""
-    rec = handle.alias_of if isinstance(handle, Alias) else handle
+    rec = _aliased(handle)
     source = rec.source() if rec.source is not None else None
     if source is None or source._version != rec.version:
         return None
