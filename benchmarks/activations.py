@@ -176,8 +176,9 @@ def _set_mode(mode: str) -> None:
 
     compress = packing.Packer._compress
 
-    def exact_output(self: Any, t: torch.Tensor, bits: float, eb: Any, seed: int, part: Any) -> Any:
-        p, region = compress(self, t, bits, eb, seed, part)
+    def exact_output(self: Any, t: torch.Tensor, bits: float, eb: Any, seed: int, part: Any,
+                     *rest: Any) -> Any:
+        p, region = compress(self, t, bits, eb, seed, part, *rest)
         if t.grad_fn is not None and type(t.grad_fn).__name__ in acts:
             self._exact_outputs.append(t)
         return p, region

@@ -70,7 +70,9 @@ class ControllerConfig:
         pause_collector: pause Python's automatic garbage collection from a forward's start
             to its backward's end (NOTE [ Collector paused while records live ]); on by
             default, and only while the collector was enabled.
-        group_size: values per quantisation group.
+        group_size: values per quantisation group (a norm's records take the largest
+            multiple of 8 up to it that divides their rows: NOTE [ Norm rows in groups of
+            their own ] in floors.py).
         codec: :class:`CodecMode` for float activations.
         allocation_interval: re-solve the bit allocation every this many steps.
         objective: :class:`Objective` of the allocation; ``None`` (the default): least

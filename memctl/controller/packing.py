@@ -200,7 +200,16 @@ from memctl.controller.derived import (
     width_within,
 )
 from memctl.controller.expressions import Expression, build, is_elementwise, scalar_of
-from memctl.controller.floors import ATTENTION, NORM, SOFTMAX, VALUES, FloorTracker, Raise, dropout_operand
+from memctl.controller.floors import (
+    ATTENTION,
+    NORM,
+    SOFTMAX,
+    VALUES,
+    FloorTracker,
+    Raise,
+    dropout_operand,
+    row_group,
+)
 from memctl.controller.fsdp import FsdpParameters, local_tensor
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
@@ -445,6 +454,9 @@ class Packer:
         # NOTE [ Floors known from the last forward ]
         self._floor_hints: dict[_Slot, int] = {}
         self._hints_next: dict[_Slot, int] = {}
+        # NOTE [ Norm rows in groups of their own ] in floors.py: a norm record's group by place
+        self._group_hints: dict[_Slot, int] = {}
+        self._group_hints_next: dict[_Slot, int] = {}
         self._hints_packs = 0
         # NOTE [ Roots known from the last forward ]
         self._root_hints: set[_Slot] = set()
@@ -562,6 +574,7 @@ class Packer:
         self._derivations.begin_forward()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
+            self._group_hints, self._group_hints_next = self._group_hints_next, {}
             self._root_hints, self._root_hints_next = self._root_hints_next, set()
             self._own_hints, self._own_hints_next = self._own_hints_next, set()
             self._hints_packs = self.packs
@@ -1231,14 +1244,17 @@ class Packer:
             if derived is not None:  # NOTE [ Layout copies of a record ] in layout.py
                 rec.numels.pop()
                 return derived
-        floor = self._floors.result_floor(node) if part is None else None
-        if floor is not None and bits < floor and quantising:
+        found = self._floors.result_floor(node) if part is None else None
+        if found is not None and bits < found[0] and quantising:
+            floor, kind = found
             rec.numels.pop()
             if self._norms:  # NOTE [ Norm outputs recomputed from the input ]
                 derived = self._derive_norm(t, floor, layer)
                 if derived is not None:
                     return derived
-            return self._at_floor(t, floor, layer, rec)  # NOTE [ Bit floors ]
+            # NOTE [ Bit floors ]; a norm's output in its rows' groups (NOTE [ Norm rows in ... ])
+            group = row_group(t, config.group_size) if kind == NORM else None
+            return self._at_floor(t, floor, layer, rec, group)
         if bits >= KEEP_BITS:  # held as it is, version-checked (NOTE [ What is compressed ])
             rec.bit_values += 8 * nbytes
             rec.packed_bytes += nbytes
@@ -1260,21 +1276,23 @@ class Packer:
                 return derived
         slot: _Slot = (layer, rec.tensors, numel)
         hint = self._floor_hints.get(slot) if part is None else None
+        # NOTE [ Norm rows in groups of their own ] in floors.py: a norm's record by place
+        group = self._group_hints.get(slot) if part is None and self._group_hints else None
         if hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE:
             rec.numels.pop()  # NOTE [ Floors known from the last forward ]
-            saved = self._at_floor(t, hint, layer, rec)
+            saved = self._at_floor(t, hint, layer, rec, group)
             saved.slot = slot
             return saved
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         quantised = config.codec is not CodecMode.ERRORBOUND or error_bound is None
-        if part is None and self._batching and quantised:
+        if part is None and self._batching and quantised and group is None:
             if self._batches.accepts(t, numel):  # NOTE [ Batched small records ]
                 return self._batched(t, int(bits), seed, layer, rec, slot)
             if slot in self._root_hints and t.is_cpu:  # NOTE [ Roots known from the last ... ]
                 return self._batched(t, int(bits), seed, layer, rec, slot, defer=True)
         try:
-            p, region = self._compress(t, bits, error_bound, seed, part)
+            p, region = self._compress(t, bits, error_bound, seed, part, group)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             rec.fixed_bytes += nbytes
@@ -1427,14 +1445,16 @@ class Packer:
         if not kept:
             del self._metas[id(rec)]
 
-    def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep) -> Saved:
-        """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ])."""
+    def _at_floor(self, t: torch.Tensor, bits: int, layer: str, rec: LayerStep,
+                  group: int | None = None) -> Saved:
+        """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ]), in
+        groups of ``group`` values (None: the configured group)."""
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
             p: Packed | torch.Tensor = t.detach() if bits >= KEEP_BITS else \
-                self._codec("quantize").encode(t.detach(), bits=bits, seed=seed)
+                self._quantizer(group).encode(t.detach(), bits=bits, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]
             self._on_fallback(layer, exc)
             p = t.detach().clone()
@@ -1620,16 +1640,23 @@ class Packer:
         if not isinstance(old, Packed) or old.codec != "quantize":
             return
         old_bits = int(old.params["bits"])
+        group = self._config.group_size
+        if found.kind == NORM and found.bits is not None:  # NOTE [ Norm rows in groups of their own ]
+            group = row_group(source, group)
         if saved.slot is not None:  # NOTE [ Floors known from the last forward ]
             self._hints_next[saved.slot] = KEEP_BITS if found.bits is None else found.bits
+            if group != self._config.group_size:
+                self._group_hints_next[saved.slot] = group
         if found.bits is not None and old_bits >= found.bits:
+            if old.params.get("group_size") != group:
+                self._regroup(saved, source, old, group, found.layer)
             return
         self._counter += 1
         seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
         start = time.perf_counter()
         try:
             new: Packed | torch.Tensor = source.detach() if found.bits is None else \
-                self._codec("quantize").encode(source.detach(), bits=found.bits, seed=seed)
+                self._quantizer(group).encode(source.detach(), bits=found.bits, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: the record stays as it is
             self._on_fallback(found.layer, exc)
             return
@@ -1645,6 +1672,25 @@ class Packer:
         _uncontrol(rec, source.numel(), old_bits)
         self._drop_meta(rec, old)
 
+    def _regroup(self, saved: Saved, source: torch.Tensor, old: Packed, group: int, layer: str) -> None:
+        """Store a norm's record again at its own bits in groups of ``group`` values, still under
+        the allocation's control (NOTE [ Norm rows in groups of their own ] in floors.py); a codec
+        that fails leaves the record as it is."""
+        self._counter += 1
+        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        start = time.perf_counter()
+        try:
+            new = self._quantizer(group).encode(source.detach(), bits=int(old.params["bits"]), seed=seed)
+        except Exception as exc:  # see NOTE [ Codec fallback ]
+            self._on_fallback(layer, exc)
+            return
+        self.timings.observe_encode(time.perf_counter() - start)
+        saved.data = new
+        rec = self.record(layer)
+        rec.packed_bytes += new.nbytes - old.nbytes
+        self._drop_meta(rec, old)
+        self._range_stats(source, new, rec)
+
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
                    rows: torch.Tensor | None = None) -> LogProbs | None:
         """``t`` (only ``rows``, if given) as quantised probabilities, or None (kept exact) if that fails."""
@@ -1656,15 +1702,17 @@ class Packer:
             self._on_fallback(layer, exc)
             return None
 
-    def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None,
-                  seed: int, part: Partition | None) -> tuple[Packed, RegionCode | None]:
+    def _compress(self, t: torch.Tensor, bits: float, error_bound: float | None, seed: int,
+                  part: Partition | None, group: int | None = None) -> tuple[Packed, RegionCode | None]:
+        """``t`` encoded at ``bits`` (or ``error_bound``), in groups of ``group`` values (None: the
+        configured group), with the region code of ``part``."""
         start = time.perf_counter()
         # The codecs read t through t.detach() themselves.
         region = None
         if self._config.codec is CodecMode.ERRORBOUND and error_bound is not None:
             p = self._codec("errorbound").encode(t, error_bound=error_bound)
         else:
-            quantize: Any = self._codec("quantize")
+            quantize: Any = self._quantizer(group)
             if part is not None and _positive_plane(part) and hasattr(quantize, "encode_with_positive"):
                 # NOTE [ Positive mask in encode ]: the ReLU code in the same pass as the values
                 p, plane = quantize.encode_with_positive(t, bits=int(bits), seed=seed)
@@ -2128,6 +2176,21 @@ class Packer:
             rec.range_terms.append(term)
             rec.mins.append(lo)
             rec.maxs.append(hi)
+
+    def _quantizer(self, group: int | None) -> Any:
+        """The ``quantize`` codec with groups of ``group`` values (None: the configured group)."""
+        if group is None or group == self._config.group_size:
+            return self._codec("quantize")
+        key = f"quantize/{group}"
+        codec = self._codecs.get(key)
+        if codec is None:
+            from memctl import codecs
+
+            codec = codecs.get("quantize", group_size=group)
+            if self._config.codec_impl is not None:
+                codec = _WithImpl(codec, self._config.codec_impl)
+            self._codecs[key] = codec
+        return codec
 
     def _codec(self, name: str) -> Codec:
         codec = self._codecs.get(name)
