@@ -1590,13 +1590,19 @@ class Packer:
             return None
         steps = found[2]
         contiguous = t.is_contiguous()
-        key = (product, steps, contiguous, t.dtype, t.device.type)
+        # an operand saved as an alias (a record of another shape) is read from its record and
+        # reshaped: a derived record's inputs are records (Derived.source)
+        shapes = tuple(h.shape if isinstance(h, Alias) else None for h in operands)
+        records = tuple(_aliased(h) for h in operands)
+        key = (product, steps, contiguous, t.dtype, t.device.type, tuple(s is not None for s in shapes))
         if key in self._layouts_failed:
             return None
         laid_out = replay(steps, contiguous)
         fn = laid_out if product is None else _laid_out_product(MATMULS[product], laid_out)
+        if any(s is not None for s in shapes):
+            fn = _reshaped_inputs(fn, shapes)
         if key not in self._layouts_checked:
-            found_exact = [_exact_operand(h) for h in operands]
+            found_exact = [_exact_operand(r) for r in records]
             exact = [x for x in found_exact if x is not None]
             if len(exact) < len(found_exact):
                 return None  # nothing to check against now: its own record this time
@@ -1607,9 +1613,9 @@ class Packer:
             (self._layouts_checked if same else self._layouts_failed).add(key)
             if not same:
                 return None
-        for h in operands:  # NOTE [ One decode for several readers ]
-            _aliased(h).readers += 1
-        return Saved(Derived(operands[0], fn, operands[1:]), t, layer=layer)
+        for r in records:  # NOTE [ One decode for several readers ]
+            r.readers += 1
+        return Saved(Derived(records[0], fn, records[1:]), t, layer=layer)
 
     def _product_operands(self, node: Any, bits: float) -> tuple[Any, Any] | None:
         """The records of a matmul's two operands (an eager attention's probabilities and
@@ -2211,6 +2217,15 @@ def _laid_out_product(product: Callable[[torch.Tensor, torch.Tensor], torch.Tens
                       laid_out: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
     def rebuilt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return laid_out(product(a, b))
+
+    return rebuilt
+
+
+def _reshaped_inputs(fn: Callable[..., torch.Tensor],
+                     shapes: tuple[tuple[int, ...] | None, ...]) -> Callable[..., torch.Tensor]:
+    """``fn`` of its inputs, each first reshaped to its entry of ``shapes`` (None: as it is)."""
+    def rebuilt(*inputs: torch.Tensor) -> torch.Tensor:
+        return fn(*(x if s is None else x.reshape(s) for x, s in zip(inputs, shapes, strict=True)))
 
     return rebuilt
 
