@@ -17,7 +17,7 @@ from tests.controller.packers import eight_bits_beside_plain, record_of, records
 
 @pytest.mark.parametrize(("width", "group"), [
     (128, 128), (192, 192), (256, 256), (384, 192), (576, 192), (768, 256), (896, 224), (960, 240),
-    (640, 160), (4096, 256), (72, 72), (100, 256), (48, 256), (40, 256),
+    (640, 160), (4096, 256), (72, 256), (100, 256), (64, 256), (40, 256),
 ])
 def test_row_group_divides_the_row_or_keeps_the_configured_group(width: int, group: int) -> None:
     assert row_group(torch.empty(3, width), 256) == group
@@ -27,7 +27,8 @@ def test_row_group_divides_the_row_or_keeps_the_configured_group(width: int, gro
 def test_row_group_of_a_vector_or_an_empty_row_is_the_configured_group() -> None:
     assert row_group(torch.empty(192), 256) == 256
     assert row_group(torch.empty(4, 0), 256) == 256
-    assert row_group(torch.empty(4, 192), 128) == 96  # at most the configured group
+    assert row_group(torch.empty(4, 384), 128) == 128  # at most the configured group
+    assert row_group(torch.empty(4, 192), 128) == 128  # nothing between 128 and 128 divides 192
 
 
 class _RMSNorm(nn.Module):
