@@ -1218,6 +1218,8 @@ class Packer:
         if exact or numel < config.min_numel:
             rec.fixed_bytes += nbytes
             rec.packed_bytes += nbytes
+            if not exact:  # NOTE [ Small tensors kept as they are ] in controller.py
+                rec.small_bytes += nbytes
             # a small tensor is held as it is (its unpack checks its version: NOTE [ In-place
             # checks ]); a copy was a launch a tensor on a GPU (a batch norm's mean and invstd)
             return Saved(_held_small(t, nbytes) if not exact else t.detach().clone(), t)

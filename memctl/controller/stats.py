@@ -44,6 +44,9 @@ class LayerStep:
     """Bytes the allocation does not control: small tensors, codec fallbacks."""
     floored_bytes: int = 0
     """Bytes of tensors held at a bit floor (NOTE [ Bit floors ]), part of ``fixed_bytes``."""
+    small_bytes: int = 0
+    """Bytes of float tensors kept as they are for having fewer than ``min_numel`` values,
+    part of ``fixed_bytes`` (NOTE [ Small tensors kept as they are ] in controller.py)."""
     mask_bytes: int = 0
     """Bytes of the 1-bit ReLU masks its controlled tensors need when compressed."""
     bit_values: float = 0.0
