@@ -32,6 +32,8 @@ _CASES = [
     (8, 8, 1_001),  # 8 bits, a lane per group
     (8, 256, 1_100),  # 8 bits, a whole warp per group
     (4, 1_024, 2_100),  # larger than a warp's tile: the block-per-group kernels
+    (4, 192, 700),  # a norm's row group (NOTE [ Norm rows in groups of their own ]): 24 lanes, 8 idle
+    (2, 240, 600),  # a row of 960 in groups of 240: 15 lanes of 16 values
 ]
 
 
