@@ -1285,8 +1285,7 @@ class Packer:
             saved = self._at_floor(t, hint, layer, rec, group)
             saved.slot = slot
             return saved
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         quantised = config.codec is not CodecMode.ERRORBOUND or error_bound is None
         if part is None and self._batching and quantised and group is None:
             if self._batches.accepts(t, numel):  # NOTE [ Batched small records ]
@@ -1451,8 +1450,7 @@ class Packer:
                   group: int | None = None) -> Saved:
         """``t`` at its op's floor, outside the allocation's control (NOTE [ Bit floors ]), in
         groups of ``group`` values (None: the configured group)."""
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         start = time.perf_counter()
         try:
             p: Packed | torch.Tensor = t.detach() if bits >= KEEP_BITS else \
@@ -1659,8 +1657,7 @@ class Packer:
             if old.params.get("group_size") != group:
                 self._regroup(saved, source, old, group, found.layer)
             return
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         start = time.perf_counter()
         try:
             new: Packed | torch.Tensor = source.detach() if found.bits is None else \
@@ -1684,8 +1681,7 @@ class Packer:
         """Store a norm's record again at its own bits in groups of ``group`` values, still under
         the allocation's control (NOTE [ Norm rows in groups of their own ] in floors.py); a codec
         that fails leaves the record as it is."""
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         start = time.perf_counter()
         try:
             new = self._quantizer(group).encode(source.detach(), bits=int(old.params["bits"]), seed=seed)
@@ -1702,8 +1698,7 @@ class Packer:
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
                    rows: torch.Tensor | None = None) -> LogProbs | None:
         """``t`` (only ``rows``, if given) as quantised probabilities, or None (kept exact) if that fails."""
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         try:
             return encode_log_probs(t, self._codec("quantize"), bits, seed, self._config.group_size, rows)
         except Exception as exc:  # see NOTE [ Codec fallback ]
@@ -1886,8 +1881,7 @@ class Packer:
         raised = width_within(total)
         if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
-            self._counter += 1
-            seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+            seed = self._next_seed()
             try:
                 p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
             except Exception as exc:  # see NOTE [ Codec fallback ]: both records stay as they are
@@ -2005,8 +1999,7 @@ class Packer:
         raised = min(DERIVED_MAX_BITS, 2 * int(old.params["bits"]))
         if raised <= int(old.params["bits"]):
             return
-        self._counter += 1
-        seed = (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+        seed = self._next_seed()
         try:
             p = self._codec("quantize").encode(source.detach(), bits=raised, seed=seed)
         except Exception as exc:  # see NOTE [ Codec fallback ]: the record stays as it is
@@ -2185,33 +2178,29 @@ class Packer:
             rec.mins.append(lo)
             rec.maxs.append(hi)
 
+    def _next_seed(self) -> int:
+        """The seed of the next record encoded: one stream of them per packer."""
+        self._counter += 1
+        return (self._seed_base + self._counter * 0x85EBCA6B) & 0xFFFFFFFF
+
     def _quantizer(self, group: int | None) -> Any:
         """The ``quantize`` codec with groups of ``group`` values (None: the configured group)."""
-        if group is None or group == self._config.group_size:
-            return self._codec("quantize")
-        key = f"quantize/{group}"
+        return self._codec("quantize", group)
+
+    def _codec(self, name: str, group: int | None = None) -> Codec:
+        """Codec ``name``, built once; the grouped codecs in groups of ``group`` values (None:
+        the configured group; NOTE [ Norm rows in groups of their own ] in floors.py)."""
+        grouped = name in ("quantize", "errorbound")
+        size = group if grouped and group is not None else self._config.group_size
+        key = name if not grouped or size == self._config.group_size else f"{name}/{size}"
         codec = self._codecs.get(key)
         if codec is None:
             from memctl import codecs
 
-            codec = codecs.get("quantize", group_size=group)
+            codec = codecs.get(name, **({"group_size": size} if grouped else {}))
             if self._config.codec_impl is not None:
                 codec = _WithImpl(codec, self._config.codec_impl)
             self._codecs[key] = codec
-        return codec
-
-    def _codec(self, name: str) -> Codec:
-        codec = self._codecs.get(name)
-        if codec is None:
-            from memctl import codecs
-
-            config: dict[str, Any] = {}
-            if name in ("quantize", "errorbound"):
-                config["group_size"] = self._config.group_size
-            codec = codecs.get(name, **config)
-            if self._config.codec_impl is not None:
-                codec = _WithImpl(codec, self._config.codec_impl)
-            self._codecs[name] = codec
         return codec
 
 
