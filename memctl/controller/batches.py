@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from memctl.codecs.base import Packed
+from memctl.codecs.quantize.codec import group_at
 
 __all__ = ["BATCH_BELOW", "BATCH_VALUES", "DEFER_PACKS", "Batch", "BatchRecord", "Batches"]
 
@@ -147,21 +148,26 @@ class BatchRecord(Packed):
 class Batch:
     """Records of one bits and dtype whose bytes are written by one encode."""
 
-    __slots__ = ("bits", "capacity", "dtype", "empty", "group", "members", "meta", "packed_at", "params",
-                 "payload", "sizes", "squares", "values")
+    __slots__ = ("bits", "capacity", "dtype", "empty", "group", "members", "merged", "meta", "packed_at",
+                 "params", "payload", "sizes", "squares", "values")
 
     def __init__(self, bits: int, dtype: torch.dtype, group: int, seed: int,
                  empty: tuple[torch.Tensor, torch.Tensor], capacity: int = BATCH_VALUES) -> None:
         self.bits = bits
         self.dtype = dtype
-        self.group = group
+        self.group = group_at(bits, group)
+        """Values per group of its records: the codec's (``group`` configured; NOTE [ Eight-bit
+        groups ] in the quantize codec)."""
+        self.merged = group // self.group
+        """Its groups per group of the configured size, which the range statistics merge (NOTE [
+        Range statistics ] in packing.py)."""
         self.capacity = capacity
         """Values it can hold: :data:`BATCH_VALUES`, or one record's groups (a deferred record)."""
         self.payload = torch.empty(capacity * bits // 8, dtype=torch.uint8)
-        self.meta = torch.empty((capacity // group, 2), dtype=torch.float32)
+        self.meta = torch.empty((capacity // self.group, 2), dtype=torch.float32)
         """Every group's (min, max), at its capacity's size all its life: the range statistics
         keep slices of it (NOTE [ Range statistics ] in packing.py)."""
-        self.params = {"bits": bits, "group_size": group, "seed": seed}
+        self.params = {"bits": bits, "group_size": self.group, "seed": seed}
         """Shared by the members' records (the same for all; never modified)."""
         self.empty = empty
         """The shared empty exception buffers of the records without non-finite values."""

@@ -47,8 +47,9 @@ MobileNetV3's held-out widths 0/48 -> 22/48. A state saved before this (no ``rel
 mark) held absolute values; it is converted with its own ‖g‖² EMA as the unit.
 
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
-(which holds per layer from 2 bits up within ~1.3x on the nets we measured; NOTE [
-Pooling the widths from 2 bits up ]). An unmeasured 1 bit comes from 2 bits by the law
+(:func:`law`, which counts 8 bits' smaller groups; the law holds per layer from 2 bits up
+within ~1.3x on the nets we measured; NOTE [ Pooling the widths from 2 bits up ]). An
+unmeasured 1 bit comes from 2 bits by the law
 times the largest 1-bit/2-bit excess seen on any layer (8 until one is seen); an
 unmeasured width >= 2 of a layer measured only at 1 bit, from 1 bit by the law. An
 unmeasured layer takes the factor fitted for its bit width (NOTE [ Unmeasured layers ]),
@@ -129,7 +130,7 @@ from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.outliers import robust_value
 from memctl.controller.stats import LayerState
 
-__all__ = ["Calibration", "Measurement", "closed_form"]
+__all__ = ["EIGHT_BIT_RANGES", "Calibration", "Measurement", "closed_form", "law"]
 
 # 1-bit over 2-bit noise factor assumed until one is measured (ResNet-18 shows up to ~7.5).
 _DEFAULT_ONE_BIT_EXCESS = 8.0
@@ -155,11 +156,29 @@ class Measurement:
     closed_draws: tuple[float, ...] = ()
 
 
+EIGHT_BIT_RANGES = 0.69
+"""The share of a tensor's ``Σ R_g² · G`` left in groups of a quarter the size, the 8-bit
+records' groups (NOTE [ Eight-bit groups ] in the quantize codec): median 0.69 over the
+saved tensors of eleven models of ``benchmarks/fidelity.py`` (per model 0.65-0.71, tensors
+from the 10th to the 90th percentile 0.55-0.75; Mamba's median 0.38, some of T5's and
+LeViT's 1.0), measured once. A layer's range statistics are at the configured groups at
+every width (NOTE [ Range statistics ] in packing.py), so the law scales 8 bits by it."""
+
+
+def law(bits: int) -> float:
+    """``(2^b − 1)²`` over the share of the squared ranges left in a width's groups: the divisor
+    of the closed form at ``bits`` bits (NOTE [ Eight-bit groups ]: 8 bits by :data:`EIGHT_BIT_RANGES`;
+    a configured group that is not a multiple of 32 keeps its size at 8 bits, where this
+    predicts 0.69x of the closed form, inside the factor the probes correct)."""
+    step = float(2**bits - 1) ** 2
+    return step / EIGHT_BIT_RANGES if bits == 8 else step
+
+
 def closed_form(state: LayerState, fallback_g2: float, bits: float) -> float:
-    """ActNN's prediction C_l / (2^b − 1)² (0 for "keep")."""
+    """ActNN's prediction C_l / (2^b − 1)² (0 for "keep"), its 8-bit groups' ranges counted (:func:`law`)."""
     if bits >= KEEP_BITS:
         return 0.0
-    return state.sensitivity(fallback_g2) / float(2 ** int(bits) - 1) ** 2
+    return state.sensitivity(fallback_g2) / law(int(bits))
 
 
 class Calibration:
@@ -257,7 +276,7 @@ class Calibration:
         pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
             scale, closed_scale = pooled
-            step = float(2**b - 1) ** 2
+            step = law(b)
             return scale / step * _drift(p / unit, closed_scale / step) * unit
         if b in mine:
             m = mine[b]
@@ -479,7 +498,7 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
         if b < 2 or m.closed_form <= 0:
             continue
         w = float(min(m.count, _WINDOW))
-        step = float(2**b - 1) ** 2
+        step = law(b)
         total += w
         scale += w * m.value * step
         closed += w * m.closed_form * step
@@ -489,10 +508,10 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
 
 
 def _law(b: int, k: int, p_b: float, p_k: float) -> float:
-    """V(b) / V(k) by the closed form's (2^b − 1)⁻² law."""
+    """V(b) / V(k) by the closed form's (2^b − 1)⁻² law (:func:`law`)."""
     if p_b > 0 and p_k > 0:
         return p_b / p_k
-    return float(2**k - 1) ** 2 / float(2**b - 1) ** 2
+    return law(k) / law(b)
 
 
 def _drift(now: float, then: float) -> float:

@@ -19,14 +19,16 @@ roots; when those are gone but its own tensor is alive, it is a root itself, dec
 through its own function). If every path ends at one or two roots of ``t``'s size, ``t``
 is ``f(x)`` (or ``f(x, z)``) and its record keeps no payload (a ``Derived`` of the
 roots); its bits go to a root, as in derived.py: the width of the quantised root with
-the fewest bits grows by the record's bits (within the codec's widths, at most 8), so
-the bytes are at most those of the separate records, and lower only where the widths
-are capped. For ``gelu_new`` at 2 bits the five records of 2 bits (10 bits per value)
-become one of 8. SwiGLU's ``silu(gate)·up``, which the next linear layer saves, is read
-from the gate's and the up projection's records: the same bytes, and on a 2-bit test MLP
-the gradients' error falls from 1.2 to 0.16 of their norm. Each rebuilt record counts as
-one more reader of its roots (NOTE [ One decode for several readers ]), so the backward
-decodes a root once for all the records read from it.
+the fewest bits grows by the record's bits (within the codec's widths, at most 8, and
+no wider than the bytes the two records held: an 8-bit record's groups cost more, NOTE [
+Eight-bit groups ] in the quantize codec, so 4 + 4 bits stay 4), so the bytes are at
+most those of the separate records, and lower where the widths are capped. For
+``gelu_new`` at 2 bits the five records of 2 bits (10 bits per value) become one of 8.
+SwiGLU's ``silu(gate)·up``, which the next linear layer saves, is read from the gate's
+and the up projection's records: the same bytes, and on a 2-bit test MLP the gradients'
+error falls from 1.2 to 0.16 of their norm. Each rebuilt record counts as one more
+reader of its roots (NOTE [ One decode for several readers ]), so the backward decodes a
+root once for all the records read from it.
 
 A product's operands are usually gone by the time the next layer saves it (Python drops
 the temporaries of ``a * b`` once the product exists), so the packer holds the last two

@@ -181,7 +181,7 @@ from torch._utils import _flatten_dense_tensors
 from memctl.codecs import channels
 from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
-from memctl.codecs.quantize import poll_checks, settle_checks
+from memctl.codecs.quantize import BITS, packed_nbytes, poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
 from memctl.controller.attention import MATMULS, logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
@@ -1305,7 +1305,7 @@ class Packer:
             rec.packed_bytes += region.nbytes
         rec.bit_values += bits * numel
         rec.packed_bytes += _nbytes(p)
-        self._range_stats(t, p, rec)
+        self._range_stats(t, p, rec, group)
         saved = Saved(p, t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
@@ -1437,12 +1437,13 @@ class Packer:
             meta, (g0, g1) = old.batch.meta, old.groups
             for i, run in enumerate(kept):
                 if type(run) is list and run[0] is meta and run[1] <= g0 and g1 <= run[2]:
-                    kept[i:i + 1] = [r for r in ([meta, run[1], g0], [meta, g1, run[2]]) if r[1] < r[2]]
+                    kept[i:i + 1] = [r for r in ([meta, run[1], g0, run[3]], [meta, g1, run[2], run[3]])
+                                     if r[1] < r[2]]
                     break
         else:
             held = old.buffers.get("meta")
             if held is not None:
-                kept[:] = [m for m in kept if m is not held]
+                kept[:] = [m for m in kept if (m if type(m) is torch.Tensor else m[0]) is not held]
         if not kept:
             del self._metas[id(rec)]
 
@@ -1693,7 +1694,7 @@ class Packer:
         rec = self.record(layer)
         rec.packed_bytes += new.nbytes - old.nbytes
         self._drop_meta(rec, old)
-        self._range_stats(source, new, rec)
+        self._range_stats(source, new, rec, group)
 
     def _log_probs(self, t: torch.Tensor, layer: str, bits: int,
                    rows: torch.Tensor | None = None) -> LogProbs | None:
@@ -1879,6 +1880,13 @@ class Packer:
                 rec.packed_bytes += wide.element_size() * wide.numel() - old.nbytes
                 return True
         raised = width_within(total)
+        # no larger than the two records were (an 8-bit record's groups cost more: NOTE [ Eight-bit
+        # groups ]; ``bits`` may be a sum of several records' widths)
+        n, group = source.numel(), self._config.group_size
+        kept = old.nbytes + (packed_nbytes(n, bits, group) if bits in BITS else
+                             -(-n * bits // 8) + 8 * -(-n // group))
+        while raised > int(old.params["bits"]) and packed_nbytes(n, raised, group) > kept:
+            raised = width_within(raised - 1)
         if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
             seed = self._next_seed()
@@ -2033,8 +2041,9 @@ class Packer:
         saved.regions = (*saved.regions, region)
         rec.packed_bytes += region.nbytes
 
-    def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep) -> None:
-        """G·Σ_g R_g² and the value range, from the quantiser's group metadata when present.
+    def _range_stats(self, t: torch.Tensor, p: Packed, rec: LayerStep, group: int | None = None) -> None:
+        """G·Σ_g R_g² and the value range, from the quantiser's group metadata when present
+        (``p`` written by the codec of groups of ``group`` values, None: the configured group).
 
         NOTE [ Range statistics ]
         The quantiser's per-group (min, max) metadata already holds every group's range, so
@@ -2047,7 +2056,11 @@ class Packer:
         (NOTE [ Batched small records ] in batches.py) keeps its groups of its batch's
         metadata instead, as a run ``[meta, first group, end]`` that the next record of the
         same layer in the batch extends (a record stored again leaves its run, which splits);
-        the runs are sliced at the step boundary, after every batch is encoded. There, a CPU
+        the runs are sliced at the step boundary, after every batch is encoded. An 8-bit
+        record's groups are a quarter of its codec's (NOTE [ Eight-bit groups ] in the quantize
+        codec): it keeps its metadata as a run ``[meta, 0, groups, 4]`` whose four consecutive
+        groups are merged into one (their least min, their largest max) when folded, so that a
+        layer's ranges are those of the configured groups at every width. There, a CPU
         layer's metadata is reduced with NumPy into floats (a torch op on a few hundred values
         costs ~5 µs of dispatch, ~20 in the cold first call of a step; the MLP of
         benchmarks/training.py: 194 -> 130 µs a step for this fold, and 175 -> 28 µs for
@@ -2067,7 +2080,9 @@ class Packer:
         """
         meta = p.buffers.get("meta")
         if meta is not None and meta.dtype is torch.float32 and meta.dim() == 2 and meta.size(1) == 2:
-            self._keep_meta(rec, meta)
+            written = p.params.get("group_size")  # (merged: NOTE [ Eight-bit groups ])
+            merged = (group or self._config.group_size) // int(written) if written else 1
+            self._keep_meta(rec, meta if merged <= 1 else [meta, 0, meta.shape[0], merged])
             return
         if meta is not None and meta.dim() == 2 and meta.shape[1] == 2:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
@@ -2075,7 +2090,7 @@ class Packer:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), self._config.group_size)
         self._keep_meta(rec, _RangeTerms.of(t.numel(), lo, hi).meta)
 
-    def _keep_meta(self, rec: LayerStep, meta: torch.Tensor) -> None:
+    def _keep_meta(self, rec: LayerStep, meta: torch.Tensor | list[Any]) -> None:
         """Keep ``meta`` (float32 ``(groups, 2)``: each group's min and max) for ``rec``'s range
         statistics, reduced at the step boundary (NOTE [ Range statistics ])."""
         entry = self._metas.get(id(rec))
@@ -2091,13 +2106,13 @@ class Packer:
         meta, (g0, g1) = p.batch.meta, p.groups
         entry = self._metas.get(id(rec))
         if entry is None:
-            self._metas[id(rec)] = (rec, [[meta, g0, g1]])
+            self._metas[id(rec)] = (rec, [[meta, g0, g1, p.batch.merged]])
             return
         last = entry[1][-1]
         if type(last) is list and last[0] is meta and last[2] == g0:
             last[2] = g1
         else:
-            entry[1].append([meta, g0, g1])
+            entry[1].append([meta, g0, g1, p.batch.merged])
 
     def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep, layer: str) -> None:
         """:meth:`_range_stats` of a derived record, measured every :data:`DERIVED_RANGE_EVERY`
@@ -2136,7 +2151,8 @@ class Packer:
             first = kept[0]
             first_meta = first if type(first) is torch.Tensor else first[0]
             if not first_meta.is_cpu:
-                metas = [k if type(k) is torch.Tensor else k[0][k[1]:k[2]] for k in kept]
+                metas = [k if type(k) is torch.Tensor else _merged_groups(k[0][k[1]:k[2]], int(k[3]))
+                         for k in kept]
                 count = sum(m.shape[0] for m in metas)
                 if count:
                     on = devices.setdefault(first_meta.device, ([], [], []))
@@ -2148,11 +2164,15 @@ class Packer:
             for k in kept:
                 if type(k) is torch.Tensor:
                     a = k.numpy()
-                else:  # a run of a batch's groups: one NumPy view of each batch's metadata
+                else:  # a run of groups (a batch's, an 8-bit record's): one NumPy view of each buffer
                     whole = views.get(id(k[0]))
                     if whole is None:
                         whole = views[id(k[0])] = k[0].numpy()
                     a = whole[k[1]:k[2]]
+                    if k[3] > 1:  # an 8-bit record's groups, four to a configured group
+                        starts_k = np.arange(0, a.shape[0], int(k[3]))
+                        a = np.stack((np.minimum.reduceat(a[:, 0], starts_k),
+                                      np.maximum.reduceat(a[:, 1], starts_k)), axis=1)
                 host.append(a)
                 rows += a.shape[0]
             if rows > begin:
@@ -2295,6 +2315,19 @@ def _segment_ranges(metas: list[torch.Tensor], counts: list[int],
     terms = torch.segment_reduce(span * span, "sum", lengths=lengths, unsafe=True) * group
     mins = torch.segment_reduce(lo, "min", lengths=lengths, unsafe=True)
     return terms, mins, torch.segment_reduce(hi, "max", lengths=lengths, unsafe=True)
+
+
+def _merged_groups(meta: torch.Tensor, k: int) -> torch.Tensor:
+    """``meta`` (float32 ``(groups, 2)``) with each ``k`` consecutive groups merged into one: their
+    least min and largest max (NOTE [ Range statistics ])."""
+    if k <= 1:
+        return meta
+    pad = (-meta.shape[0]) % k
+    lo, hi = meta[:, 0], meta[:, 1]
+    if pad:
+        lo = torch.cat((lo, lo.new_full((pad,), math.inf)))
+        hi = torch.cat((hi, hi.new_full((pad,), -math.inf)))
+    return torch.stack((lo.view(-1, k).amin(dim=1), hi.view(-1, k).amax(dim=1)), dim=1)
 
 
 def _group_ranges(flat: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from memctl import allocation
+from memctl.controller.calibration import closed_form
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig, Objective
 from memctl.controller.stats import LayerState
 
@@ -119,7 +120,7 @@ def _choices(config: ControllerConfig, keep: bool) -> list[int]:
 
 def _closed_form_fn(fallback_g2: float) -> VarianceFn:
     def fn(s: LayerState, b: int) -> float:
-        return 0.0 if b >= KEEP_BITS else s.sensitivity(fallback_g2) / float(2**b - 1) ** 2
+        return closed_form(s, fallback_g2, b)
 
     return fn
 

@@ -17,7 +17,7 @@ from memctl.codecs import _rng, decode, get
 from memctl.codecs.base import Packed
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize import _reference as quantize_reference
-from memctl.codecs.quantize.codec import QuantizeCodec, QuantizeConfig, packed_nbytes
+from memctl.codecs.quantize.codec import QuantizeCodec, QuantizeConfig, group_at, packed_nbytes
 from memctl.errors import CodecError, ConfigError
 
 BITS = (1, 2, 4, 8)
@@ -381,13 +381,14 @@ def test_encode_into_writes_encodes_bytes_in_place(impl: str, bits: int) -> None
     codec = QuantizeCodec(group_size=64)
     t = torch.randn(5 * 64) * 3
     record = codec.encode(t, bits=bits, seed=7, impl=impl)
+    groups = 5 * 64 // group_at(bits, 64)  # 20 groups of 16 at 8 bits (NOTE [ Eight-bit groups ])
     payload = torch.full((2 * 5 * 64 * bits // 8,), 0xAB, dtype=torch.uint8)
-    meta = torch.zeros((10, 2))
+    meta = torch.zeros((2 * groups, 2))
     # views of larger buffers, as a batch's records are: only their part is written
-    assert not codec.encode_into(t, payload[:5 * 64 * bits // 8], meta[:5], bits=bits, seed=7, impl=impl)
+    assert not codec.encode_into(t, payload[:5 * 64 * bits // 8], meta[:groups], bits=bits, seed=7, impl=impl)
     assert torch.equal(payload[:5 * 64 * bits // 8], record.buffers["payload"])
-    assert torch.equal(meta[:5], record.buffers["meta"])
-    assert bool((payload[5 * 64 * bits // 8:] == 0xAB).all()) and bool((meta[5:] == 0).all())
+    assert torch.equal(meta[:groups], record.buffers["meta"])
+    assert bool((payload[5 * 64 * bits // 8:] == 0xAB).all()) and bool((meta[groups:] == 0).all())
 
 
 def test_encode_into_reports_non_finite_values_and_checks_its_buffers() -> None:

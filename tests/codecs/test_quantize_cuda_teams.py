@@ -30,7 +30,8 @@ _CASES = [
     (1, 512, 1_500),  # the largest team: one group per warp
     (4, 64, 1_500),  # 8 lanes per group
     (8, 8, 1_001),  # 8 bits, a lane per group
-    (8, 256, 1_100),  # 8 bits, a whole warp per group
+    (8, 256, 1_100),  # 8 bits, a warp per group (through the codec 64: NOTE [ Eight-bit groups ])
+    (8, 192, 700),  # a norm's row group at 8 bits: groups of 48 through the codec, 6 lanes of 8 values
     (4, 1_024, 2_100),  # larger than a warp's tile: the block-per-group kernels
     (4, 192, 700),  # a norm's row group (NOTE [ Norm rows in groups of their own ]): 24 lanes, 8 idle
     (2, 240, 600),  # a row of 960 in groups of 240: 15 lanes of 16 values

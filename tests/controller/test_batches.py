@@ -280,11 +280,11 @@ def test_range_statistics_keep_a_layers_batched_records_and_drop_one_stored_agai
     ts = [torch.randn(2, 256, requires_grad=True) * (i + 1) for i in range(3)]
     records = [packer.pack(t * 1) for t in ts]
     [(rec, runs)] = packer._metas.values()
-    assert len(runs) == 1 and runs[0][1:] == [0, 6]  # 3 records x 2 groups of 256
+    assert len(runs) == 1 and runs[0][1:] == [0, 6, 1]  # 3 records x 2 groups of 256, none merged
     middle = records[1].data
     assert isinstance(middle, BatchRecord)
     packer._drop_meta(rec, middle)  # what a raise to a floor does
-    assert [r[1:] for r in runs] == [[0, 2], [4, 6]]
+    assert [r[1:] for r in runs] == [[0, 2, 1], [4, 6, 1]]
     packer.finish_step()
     kept = torch.cat([ts[0].detach().reshape(2, 256), ts[2].detach().reshape(2, 256)])
     spans = kept.amax(dim=1).double() - kept.amin(dim=1).double()

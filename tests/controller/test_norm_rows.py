@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from memctl.codecs.base import Packed
+from memctl.codecs.quantize.codec import group_at
 from memctl.controller.derived import Derived
 from memctl.controller.floors import row_group
 from tests.controller.packers import eight_bits_beside_plain, record_of, records_of
@@ -102,8 +103,10 @@ def test_zero_and_small_rows_keep_the_gradient_at_eight_bits(norm: str, width: i
             assert max(errors.values()) < 0.02, errors
             stored = [record_of(s).data for s in norm_inputs]
             packed = [d.source.data if isinstance(d, Derived) else d for d in stored]
-            assert packed and all(p.codec == "quantize" and p.params["group_size"] == width
-                                  for p in packed)  # a Packed, or a BatchRecord (rows of 256)
+            # a Packed, or a BatchRecord (rows of 256); at 8 bits in quarters of the row's groups,
+            # each within one row (NOTE [ Eight-bit groups ] in the quantize codec)
+            assert packed and all(p.codec == "quantize" and p.params["group_size"] == group_at(8, width)
+                                  and p.params["bits"] == 8 for p in packed)
             opt.step()
     finally:
         ctl.detach()
