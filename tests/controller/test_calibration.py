@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memctl
-from memctl.controller.calibration import Calibration, closed_form
+from memctl.controller.calibration import Calibration, closed_form, law
 from memctl.controller.config import ControllerConfig
 from memctl.controller.stats import LayerState
 from tests.controller.test_guard import NoisyNet, _steps
@@ -39,6 +39,27 @@ def test_fitted_width_factor_makes_the_uniform_total_match_the_measurement() -> 
     cal2.record("a", 2, 100.0, closed_form(a, 1.0, 2), step=0)
     cal2.fit_width(2, 40.0, [a, b, c], 1.0)
     assert math.isclose(cal2.estimate(b, 1.0, 2) + cal2.estimate(c, 1.0, 2), 10.0, rel_tol=1e-9)
+
+
+def test_an_eight_bit_measurement_predicts_eight_bits_only() -> None:
+    """NOTE [ Eight-bit groups ]: 8 bits' groups are a quarter the size, so a layer whose quarters
+    fall on structure adds far less at 8 bits than the law says; its 8-bit draw must not lower
+    what the model predicts at 2 or 4 bits (MobileOne's batch-norm inputs took 2 bits so)."""
+    a, b = _layer("a", 1.0), _layer("b", 1.0)
+    plain = Calibration(ControllerConfig())
+    plain.record("b", 2, 0.5, closed_form(b, 1.0, 2), step=0)
+    cal = Calibration(ControllerConfig())
+    cal.record("b", 2, 0.5, closed_form(b, 1.0, 2), step=0)
+    tiny = closed_form(a, 1.0, 8) * 1e-3  # a thousand times below the law at 8 bits
+    cal.record("a", 8, tiny, closed_form(a, 1.0, 8), step=0)
+    for bits in (1, 2, 4):
+        assert cal.estimate(a, 1.0, bits) == pytest.approx(plain.estimate(a, 1.0, bits))
+    assert cal.estimate(a, 1.0, 8) == pytest.approx(tiny)
+    # the same for the widths fitted with every layer at once
+    cal.fit_width(8, 1e-9, [a, b], 1.0)
+    assert cal.estimate(a, 1.0, 2) == pytest.approx(plain.estimate(a, 1.0, 2))
+    # and a 2-bit measurement still speaks for 8 bits, by the law at a quarter's groups
+    assert cal.estimate(b, 1.0, 8) == pytest.approx(0.5 * law(2) / law(8), rel=0.05)
 
 
 def test_width_factors_survive_state_dict() -> None:
