@@ -44,7 +44,7 @@ def test_fitted_width_factor_makes_the_uniform_total_match_the_measurement() -> 
 def test_an_eight_bit_measurement_predicts_eight_bits_only() -> None:
     """NOTE [ Eight-bit groups ]: 8 bits' groups are a quarter the size, so a layer whose quarters
     fall on structure adds far less at 8 bits than the law says; its 8-bit draw must not lower
-    what the model predicts at 2 or 4 bits (MobileOne's batch-norm inputs took 2 bits so)."""
+    what the model predicts at 2 or 4 bits (on MobileOne's batch-norm inputs it would have)."""
     a, b = _layer("a", 1.0), _layer("b", 1.0)
     plain = Calibration(ControllerConfig())
     plain.record("b", 2, 0.5, closed_form(b, 1.0, 2), step=0)
