@@ -15,6 +15,19 @@ with ‖∇Y‖² from a hook on the module's output gradient and Σ_g R_g² fro
 own group metadata, each smoothed by an EMA over steps. A layer whose output gradient is
 not observed (a functional op at the root, the loss) borrows the median ‖∇Y‖² of the rest.
 See docs/design.md, "Sensitivity".
+
+NOTE [ Sparse gradient statistics ]
+‖∇Y‖² is read only on the steps whose statistics the next allocation uses (the controller's
+``_wants_gradients``: the first two, and the last and first step around each re-solve), two
+readings in ``allocation_interval`` steps. An EMA of ``ema_decay`` (0.9) per *reading* then
+remembered ~50 steps: after 20 steps, with readings at steps 0, 1, 9, 10 and 19, the first
+step's ‖∇Y‖² still weighed 0.66 in it, and a gradient that fell 10⁴-fold over those steps
+(ResNet-18 of ``benchmarks/fidelity.py``) left the closed form three orders of magnitude high.
+The decay now runs per step seen: a reading ``gap`` steps after the last one weighs the old
+value by ``ema_decay ** gap`` (the first step's weight at step 20: 0.14), as a reading every
+step would. The calibrated model leans on this for every layer not yet measured (NOTE [
+Unmeasured layers ]), whose estimate is the closed form times a factor fitted at a probe,
+and for its drift between probes (NOTE [ Calibration ]).
 """
 
 from __future__ import annotations
@@ -89,6 +102,8 @@ class LayerState:
     vmax: float | None = None
     used_bits: float | None = None
     seen_steps: int = 0
+    grad_step: int = 0
+    """``seen_steps`` when ``ema_grad_sq`` was last updated (NOTE [ Sparse gradient statistics ])."""
 
     def update(
         self, step: LayerStep, *, batch: int, decay: float, scalars: tuple[float, ...] | None = None
@@ -116,7 +131,10 @@ class LayerState:
         if step.range_terms:
             self.ema_range_term = _ema(self.ema_range_term, range_sum / self.batch, decay)
         if step.grad_sq and math.isfinite(g2):
-            self.ema_grad_sq = _ema(self.ema_grad_sq, g2, decay)
+            # NOTE [ Sparse gradient statistics ]: the decay runs per step, not per reading
+            gap = max(self.seen_steps - self.grad_step, 1)
+            self.ema_grad_sq = _ema(self.ema_grad_sq, g2, decay ** gap)
+            self.grad_step = self.seen_steps
 
     def sensitivity(self, fallback_grad_sq: float) -> float:
         """C_l of NOTE [ Sensitivity ] (0 when the layer saved nothing quantisable)."""

@@ -87,6 +87,28 @@ def test_update_with_read_scalars_equals_update_alone() -> None:
     assert a == LayerState(**{**b.__dict__, "name": "a"})
 
 
+def test_gradient_statistics_decay_per_step_not_per_reading() -> None:
+    """NOTE [ Sparse gradient statistics ]: ‖∇Y‖² read at steps 0 and 9 only (steps 1-8 read
+    none) keeps the first reading at 0.9⁹ of its weight, not 0.9."""
+    state = LayerState(name="a")
+    first = LayerStep()
+    first.grad_sq.append(100.0)
+    state.update(first, batch=1, decay=0.9)
+    for _ in range(8):
+        state.update(LayerStep(), batch=1, decay=0.9)
+    assert state.ema_grad_sq == 100.0
+    later = LayerStep()
+    later.grad_sq.append(1.0)
+    state.update(later, batch=1, decay=0.9)
+    assert math.isclose(state.ema_grad_sq or 0.0, 0.9**9 * 100.0 + (1 - 0.9**9) * 1.0, rel_tol=1e-12)
+    again = LayerStep()
+    again.grad_sq.append(1.0)
+    state.update(again, batch=1, decay=0.9)  # the next step: one step's decay
+    expected = 0.9 * (0.9**9 * 100.0 + (1 - 0.9**9)) + 0.1
+    assert math.isclose(state.ema_grad_sq or 0.0, expected, rel_tol=1e-12)
+    assert LayerState.from_state_dict(state.state_dict()) == state
+
+
 def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """NOTE [ One read-back per step ]: the controller folds every layer with one call."""
     calls: list[int] = []
