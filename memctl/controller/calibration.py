@@ -38,13 +38,43 @@ sets the unit), the minibatch gradient's variance tr Var(g) likewise, and an est
 stored ratio times ``S`` (``grad_sq``), an EMA of ‖g‖² over the probes (the last probe alone swings with one
 batch). The bound and the estimates then share one scale, and what the allocation compares
 is what the probes measured relative to the gradient, whenever they measured it. Between
-probes ``S`` holds still: the optimizer's gradient at a step boundary is taken at the weights
-before the step, the replay's after it (ten times apart after AdamW's first step on
-MobileNetV3), so it is no measure of the replay's scale. Measured (``fidelity.py --configs
-varcheck --steps 40``, CPU): ViT-Tiny's predictions made before each measurement of a pair
-measured before, median 274x -> 67x of the value; held-out widths within 2x 17/72 -> 40/72;
-MobileNetV3's held-out widths 0/48 -> 22/48. A state saved before this (no ``relative``
-mark) held absolute values; it is converted with its own ‖g‖² EMA as the unit.
+probes ``S`` moves as the training gradient does (NOTE [ Gradient scale between probes ]).
+Measured (``fidelity.py --configs varcheck --steps 40``, CPU): ViT-Tiny's predictions made
+before each measurement of a pair measured before, median 274x -> 67x of the value; held-out
+widths within 2x 17/72 -> 40/72; MobileNetV3's held-out widths 0/48 -> 22/48. A state saved
+before this (no ``relative`` mark) held absolute values; it is converted with its own ‖g‖²
+EMA as the unit.
+
+NOTE [ Gradient scale between probes ]
+Probes are rare (one per ``allocation_interval`` steps at most, fewer once every layer is
+measured), and a gradient can fall by orders of magnitude between two of them: ResNet-18 of
+``benchmarks/fidelity.py`` goes from ‖g‖² 207 at its first probe to 0.005 twenty steps on.
+With ``S`` held at the probes', every absolute figure (``stats()["layers"]``'s predicted
+variance, the bound's reference) was that far off: the ``varcheck`` audit at the end of that
+run found predictions 10²-10⁴ times the fresh draws, 4 of 48 (layer, width) pairs within 2x.
+
+So ``S`` moves between probes as the training gradient does. While calibration is on (not
+under FSDP2, where no probe runs) the controller reads the squared norm ‖ĝ‖² of the gradient
+the optimizer stepped with (the parameters' ``.grad``: one ``_foreach_norm`` and one read-back
+per device and dtype, 4.6 ms for ResNet-18's 11.3M parameters at one thread on the 2-core CPU
+box, ~1% of its step) at every step boundary, before the boundary's probe, and keeps an EMA
+(0.5) of ‖ĝ‖² / (1 + a), a the allocation in use's predicted added variance over the unit
+(E‖ĝ‖² = ‖g‖² + what compression adds). :meth:`Calibration.unit` is ``S`` times that EMA over
+its value at the last probe, and a probe weighs its ‖g‖² against the moved scale, not against
+the probe before. The ratio, not ‖ĝ‖² itself: the replay's ‖g‖² is taken after the optimizer's
+step with the step's own output gradients, the boundary's before it, and the two differ by a
+factor that holds from one probe to the next far better than the gradient does (GPT-2:
+1.6-2.6x after its first step, 15x at the first).
+
+The closed forms move with it. An unmeasured layer's estimate is its closed form times a
+factor fitted at a probe (NOTE [ Unmeasured layers ]), and a measured layer's drifts with its
+closed form; the closed form's ‖∇Y‖² is read on two steps in ten and smoothed (NOTE [ Sparse
+gradient statistics ] in stats.py), so after a fall it trails the gradient by orders of
+magnitude. Against a bound that follows the gradient, ResNet-18's unmeasured layers then
+looked 10³-10⁵ times louder than the audit measured, and the default policy put them at 8
+bits (10.97x -> 7.48x). So :meth:`Calibration._closed_now` scales a closed form by
+(unit now / unit at the last probe) · (median ‖∇Y‖² at the last probe / median now): its
+overall level moves with the unit, a layer's share among the layers with its own statistics.
 
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
 (:func:`law`, which counts 8 bits' smaller groups; the law holds per layer from 2 bits up
@@ -193,6 +223,16 @@ class Calibration:
         added variance is worth now (NOTE [ Gradient scale ]); None before a probe."""
         self._probe_unit: float | None = None
         """The last probe's exact squared gradient norm, the unit its values are stored in."""
+        self._train_sq: float | None = None
+        """EMA of the training gradient's squared norm over the step boundaries (NOTE [ Gradient
+        scale between probes ])."""
+        self._anchor_sq: float | None = None
+        """The training gradient's squared norm at the weights of the last probe."""
+        self._anchor_due = False
+        self._probe_scale: tuple[float, float] | None = None
+        """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between probes ])."""
+        self.added_share = 0.0
+        """The allocation in use's predicted added variance over :meth:`unit`, when it was solved."""
         self._noise: float | None = None
         """EMA of tr Var(g), the minibatch gradient's own variance, over its probe's ‖g‖²."""
         self.added: float | None = None
@@ -223,8 +263,23 @@ class Calibration:
 
     # -- measurements ---------------------------------------------------------------
     def unit(self) -> float:
-        """What one stored unit of added variance is now (NOTE [ Gradient scale ])."""
-        return self.grad_sq if self.grad_sq else 1.0
+        """What one stored unit of added variance is now (NOTE [ Gradient scale ]): the probes'
+        ‖g‖², moved as the training gradient's has since (NOTE [ Gradient scale between probes ])."""
+        if not self.grad_sq:
+            return 1.0
+        if self._anchor_sq and self._train_sq:
+            return self.grad_sq * (self._train_sq / self._anchor_sq)
+        return self.grad_sq
+
+    def observe_training(self, grad_sq: float | None) -> None:
+        """The training gradient's squared norm at a step boundary, before that boundary's probe
+        (NOTE [ Gradient scale between probes ])."""
+        if grad_sq is None or not math.isfinite(grad_sq) or grad_sq <= 0:
+            return
+        # E‖ĝ‖² = ‖g‖² + what compression adds
+        self._train_sq = _ema(self._train_sq, grad_sq / (1.0 + self.added_share))
+        if self._anchor_due:
+            self._anchor_sq, self._anchor_due = self._train_sq, False
 
     @property
     def grad_noise(self) -> float | None:
@@ -250,12 +305,20 @@ class Calibration:
         """Remember that ``layer`` at ``bits`` produced an absurd draw (NOTE [ Robust measurements ])."""
         self.unsafe[layer] = max(self.unsafe.get(layer, 0), bits)
 
-    def record_reference(self, grad_sq: float | None, noise: float | None) -> None:
+    def record_reference(self, grad_sq: float | None, noise: float | None,
+                         median_grad_sq: float | None = None) -> None:
         """A probe's exact squared gradient norm and tr Var(g); call it before the probe's layer
-        values are recorded: its ‖g‖² is their unit (NOTE [ Gradient scale ])."""
+        values are recorded: its ‖g‖² is their unit (NOTE [ Gradient scale ]). ``median_grad_sq``:
+        the layers' median smoothed ‖∇Y‖² at the probe, what the closed forms stand on."""
         if grad_sq is not None and math.isfinite(grad_sq) and grad_sq > 0:
             self._probe_unit = grad_sq
-            self.grad_sq = _ema(self.grad_sq, grad_sq)
+            # the previous scale, moved to this step by the training gradient, then this probe
+            self.grad_sq = _ema(self.unit() if self.grad_sq else None, grad_sq)
+            self._anchor_sq = self._train_sq
+            self._anchor_due = self._train_sq is None
+            self._probe_scale = None
+            if median_grad_sq is not None and math.isfinite(median_grad_sq) and median_grad_sq > 0:
+                self._probe_scale = (self.grad_sq, median_grad_sq)
         if noise is not None and math.isfinite(noise) and noise > 0:
             self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
 
@@ -271,7 +334,7 @@ class Calibration:
         if bits >= KEEP_BITS:
             return 0.0
         b = int(bits)
-        p = closed_form(state, fallback_g2, b)
+        p = self._closed_now(state, fallback_g2, b)
         mine = _speaking_for(b, self.measured.get(state.name, {}))
         unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
         pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
@@ -285,7 +348,7 @@ class Calibration:
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            value = m.value * _law(b, near, p, closed_form(state, fallback_g2, near)) * unit
+            value = m.value * _law(b, near, p, self._closed_now(state, fallback_g2, near)) * unit
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
@@ -297,6 +360,16 @@ class Calibration:
             return fitted[near] * p * excess
         largest = self._largest_factor(b)
         return p if largest is None else largest * p
+
+    def _closed_now(self, state: LayerState, fallback_g2: float, bits: int) -> float:
+        """The closed form, its overall scale moved as the unit has moved since the last probe
+        rather than as the median ‖∇Y‖² has (NOTE [ Gradient scale between probes ]): a
+        layer's own share among the layers still moves it."""
+        p = closed_form(state, fallback_g2, bits)
+        if self._probe_scale is None or not fallback_g2 > 0:
+            return p
+        unit, g2 = self._probe_scale
+        return p * (self.unit() / unit) * (g2 / fallback_g2)
 
     def unmeasured(self, layers: Iterable[LayerState]) -> bool:
         """Whether any of ``layers`` has no measurement yet (also kept as :attr:`complete`)."""
@@ -435,6 +508,9 @@ class Calibration:
             "unsafe": dict(self.unsafe),
             "grad_sq": self.grad_sq,
             "grad_noise": self._noise,
+            "train_sq": self._train_sq,
+            "probe_scale": list(self._probe_scale) if self._probe_scale else None,
+            "anchor_sq": self._anchor_sq,
             "relative": True,  # NOTE [ Gradient scale ]: values over their probe's ‖g‖²
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
         }
@@ -459,6 +535,15 @@ class Calibration:
             # saved before NOTE [ Gradient scale ]: absolute values; the probes' ‖g‖² is their unit
             self._to_units(self.grad_sq)
         self._probe_unit = self.grad_sq
+        train, anchor = state.get("train_sq"), state.get("anchor_sq")
+        self._train_sq = float(train) if isinstance(train, int | float) and train > 0 else None
+        self._anchor_sq = float(anchor) if isinstance(anchor, int | float) and anchor > 0 else None
+        self._anchor_due = self._anchor_sq is None
+        scale = state.get("probe_scale")
+        self._probe_scale = None
+        if isinstance(scale, list | tuple) and len(scale) == 2 and all(
+                isinstance(v, int | float) and v > 0 for v in scale):
+            self._probe_scale = (float(scale[0]), float(scale[1]))
         widths = state.get("width_factors") or {}
         self.width_factors = {}
         if isinstance(widths, dict):

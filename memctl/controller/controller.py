@@ -36,6 +36,7 @@ activation bytes and at least :data:`_SMALL_HINT_BYTES`, it says so once: a
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import warnings
@@ -63,7 +64,7 @@ from memctl.controller.publication import Publication
 from memctl.controller.recurrent import RecurrentMode, attach_recurrent
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
-from memctl.controller.stats import LayerState, median_grad_sq, read_scalars
+from memctl.controller.stats import LayerState, LayerStep, median_grad_sq, read_scalars
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -443,7 +444,15 @@ class Controller:
                 state.mask_bytes = 0
                 state.numels = ()
                 state.used_bits = None
-        scalars = read_scalars(list(records.values()))  # NOTE [ One read-back per step ]
+        cal = self._calibration
+        # NOTE [ Gradient scale between probes ]: the training gradient's ‖ĝ‖², in the same read-back
+        trained = LayerStep()
+        if cal.enabled and records and not self._packer.fsdp.active:
+            trained.grad_sq.extend(self._training_grad_sq())
+        scalars = read_scalars([*records.values(), trained])  # NOTE [ One read-back per step ]
+        if trained.grad_sq:
+            cal.observe_training(scalars[-1][3])
+        scalars.pop()
         for (name, rec), row in zip(records.items(), scalars, strict=True):
             state = self._layers.setdefault(name, LayerState(name=name))
             state.update(rec, batch=batch, decay=self.config.ema_decay, scalars=row)
@@ -490,6 +499,19 @@ class Controller:
         self._packer.timings.observe_step(time.perf_counter() - started)
         self._publication.boundary()  # NOTE [ Lazy publication ]
         self._last_boundary = time.perf_counter()
+
+    def _training_grad_sq(self) -> list[torch.Tensor]:
+        """‖g‖² of the gradient the optimizer just stepped with (its parameters' ``.grad``; the
+        model's without an optimizer) as float32 scalars to sum, one per device and dtype, each
+        one ``_foreach_norm`` (NOTE [ Gradient scale between probes ]); empty when they hold none."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        params = (self.model.parameters() if self.optimizer is None else
+                  (p for group in self.optimizer.param_groups for p in group["params"]))
+        for p in params:
+            g = p.grad
+            if g is not None and g.layout is torch.strided and type(g) is torch.Tensor:
+                groups.setdefault((g.device, g.dtype), []).append(g.detach())
+        return [torch.stack(torch._foreach_norm(grads)).float().square().sum() for grads in groups.values()]
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Give the convergence guard this step's loss (optional; NOTE [ Convergence guard ]).
@@ -636,6 +658,9 @@ class Controller:
         for state in layers:
             state.bits = result.bits[state.name]
             state.error_bound = result.error_bounds.get(state.name)
+        added = result.predicted_variance
+        calibration.added_share = (added / calibration.unit() if calibration.grad_sq and added is not None
+                                   and math.isfinite(added) and added > 0 else 0.0)
         self._allocation = {
             "step": self._step,
             "reason": reason,
@@ -897,7 +922,7 @@ class Controller:
 
     def _publish(self) -> None:
         layers = sorted(self._layers.values(), key=lambda s: s.name)
-        g2 = median_grad_sq(layers)
+        g2 = median_grad_sq([s for s in layers if s.numels])  # the allocation's and the probes' median
         raw, packed = self._totals["raw_bytes"], self._totals["packed_bytes"]
         controlled = sum(sum(s.numels) for s in layers if s.used_bits is not None)
         bits_sum = sum(sum(s.numels) * s.used_bits for s in layers if s.used_bits is not None)

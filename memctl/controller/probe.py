@@ -89,7 +89,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             if ga is not None and gb is not None:
                 result.noise = float((ga - gb).square().sum())
         if record:  # before any layer value: this probe's ‖g‖² is their unit (NOTE [ Gradient scale ])
-            calibration.record_reference(result.grad_sq, result.noise)
+            calibration.record_reference(result.grad_sq, result.noise, fallback_g2)
         if result.added is not None:  # the model's prediction of it, before this probe's layer values
             result.predicted = sum(calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers)
         scale = max(scale, result.noise or 0.0)

@@ -179,7 +179,8 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     layers: list[LayerState] = [s for s in ctl._layers.values() if s.numels]
     fallback_g2 = median_grad_sq(layers)
     cal = ctl._calibration
-    cal.record_reference(share.grad_sq, share.noise)  # first, as run_probe does (NOTE [ Gradient scale ])
+    # first, as run_probe does (NOTE [ Gradient scale ])
+    cal.record_reference(share.grad_sq, share.noise, fallback_g2)
     # The prediction of the allocation in use, before this probe's measurements (as run_probe does).
     predicted = sum(cal.estimate(s, fallback_g2, ctl._choice_for(s.name)[0]) for s in layers)
     by_name = {s.name: s for s in layers}

@@ -104,6 +104,75 @@ def test_measurements_are_kept_relative_to_their_probes_gradient_scale() -> None
     assert math.isclose(legacy.reference() or 0.0, 8.0, rel_tol=1e-9)
 
 
+def test_the_scale_follows_the_training_gradient_between_probes() -> None:
+    """NOTE [ Gradient scale between probes ]: between probes the unit moves as the training
+    gradient's squared norm does (less what the allocation in use adds to it), and the next
+    probe is weighed against that, not against the scale of the probe before."""
+    cal = Calibration(ControllerConfig())
+    a, b = _layer("a", 1.0, grad_sq=1.0), _layer("b", 2.0, grad_sq=1.0)
+    p = closed_form(a, 1.0, 2)
+    cal.observe_training(4.0)  # the probe's own step boundary, read before the probe
+    cal.record_reference(10.0, 5.0, median_grad_sq=1.0)
+    cal.record("a", 2, 0.2, p, step=0)
+    cal.fit_width(2, 1.0, [a, b], 1.0)  # b unmeasured: its closed form times a fitted factor
+    b_then = cal.estimate(b, 1.0, 2)
+    assert cal.unit() == 10.0
+    for _ in range(20):
+        cal.observe_training(0.04)  # the gradient's norm fell 10x
+    assert math.isclose(cal.unit(), 0.1, rel_tol=1e-4)
+    assert math.isclose(cal.estimate(a, 1.0, 2), 0.02 * cal.unit(), rel_tol=1e-4)
+    # the closed forms' ‖∇Y‖² trail the fall (NOTE [ Sparse gradient statistics ]): the unit sets
+    # their level, not the median ‖∇Y‖², and a layer's share among the layers still counts
+    assert math.isclose(cal.estimate(b, 1.0, 2), b_then * 0.01, rel_tol=1e-4)
+    b.ema_grad_sq = 4.0
+    assert math.isclose(cal.estimate(b, 2.0, 2), b_then * 0.01 * 2.0, rel_tol=1e-4)
+    b.ema_grad_sq = 1.0
+    assert math.isclose(cal.reference() or 0.0, 0.5 * cal.unit(), rel_tol=1e-4)
+    # an allocation that adds as much as the gradient itself doubles ‖ĝ‖², not the scale
+    cal.added_share = 1.0
+    for _ in range(20):
+        cal.observe_training(0.08)
+    assert math.isclose(cal.unit(), 0.1, rel_tol=1e-4)
+    again = Calibration(ControllerConfig())
+    again.load_state_dict(cal.state_dict())
+    assert math.isclose(again.unit(), cal.unit(), rel_tol=1e-9)
+    cal.record_reference(0.3, 0.1)  # the next probe, against the scale moved to its step
+    assert math.isclose(cal.grad_sq or 0.0, 0.5 * 0.1 + 0.5 * 0.3, rel_tol=1e-4)
+    assert math.isclose(cal.unit(), cal.grad_sq or 0.0, rel_tol=1e-9)
+
+
+def test_predictions_follow_a_gradient_that_shrinks_after_the_last_probe() -> None:
+    """A run whose gradient falls 100x in norm after its only probe (the loss scaled down):
+    what the model predicts each layer adds falls with it (by ~10⁴, the drift's clip aside),
+    where a scale held at the probe's would have stayed put."""
+    torch.manual_seed(0)
+    model = NoisyNet(12.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000,
+                            calibration_fraction=1000.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g)
+    y = (x @ torch.randn(32, 10, generator=g)).argmax(1)
+
+    def predicted() -> dict[str, float]:
+        layers = ctl.stats()["layers"]
+        return {v["name"]: v["variance_predicted"]["2"] for v in layers
+                if v.get("variance_predicted", {}).get("2")}
+
+    for step in range(24):
+        scale = 1.0 if step == 0 else 0.01
+        (scale * nn.functional.cross_entropy(model(x), y)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            before = predicted()
+            assert ctl._calibration.measured and before
+    after = predicted()
+    ctl.detach()
+    for name, value in before.items():
+        assert 1e-4 / 4 < after[name] / value < 1e-4 * 4, (name, after[name] / value)
+
+
 def test_probes_fit_every_width_while_layers_are_unmeasured() -> None:
     torch.manual_seed(0)
     model = NoisyNet(12.0)
