@@ -68,6 +68,7 @@ def audit(ctl: Any, loss_fn: Callable[[], torch.Tensor], *, layers: int = 12, dr
         ref = replayer.gradient(target, capture, exact, seed)
         if ref is None:
             return out
+        ref_sq = float(ref.square().sum())
         for s in chosen:
             for b in widths:
                 values = []
@@ -78,7 +79,7 @@ def audit(ctl: Any, loss_fn: Callable[[], torch.Tensor], *, layers: int = 12, dr
                 finite = [v for v in values if math.isfinite(v)]
                 out.append({"layer": s.name, "bits": b, "predicted": predicted[(s.name, b)],
                             "draws": values, "measured": statistics.fmean(finite) if finite else math.nan,
-                            "kind": kinds[(s.name, b)]})
+                            "kind": kinds[(s.name, b)], "ref_sq": ref_sq, "unit": cal.unit()})
     finally:
         h1.remove()
         h2.remove()
@@ -109,12 +110,28 @@ def summarise_audit(model: str, pairs: list[dict[str, Any]]) -> list[str]:
     kinds = [k for k in ("measured", "other_width", "unmeasured") if any(p["kind"] == k for p in pairs)]
     ok = sum(within(p) for p in pairs)
     worst = max(pairs, key=lambda p: _factor(p["predicted"], p["measured"]))
-    return [f"  audit {model}: predicted vs the mean of fresh draws within 2x: {ok}/{len(pairs)} "
+    line = (f"  audit {model}: predicted vs the mean of fresh draws within 2x: {ok}/{len(pairs)} "
             f"({100.0 * ok / len(pairs):.0f}%); by width "
             + ", ".join(f"{b}b {share([p for p in pairs if p['bits'] == b])}" for b in widths)
             + "; by kind " + ", ".join(f"{k} {share([p for p in pairs if p['kind'] == k])}" for k in kinds)
             + f"; worst {_factor(worst['predicted'], worst['measured']):.3g}x "
-              f"({worst['layer']}@{worst['bits']}b)"]
+              f"({worst['layer']}@{worst['bits']}b)")
+    return [line, *_relative(model, pairs)]
+
+
+def _relative(model: str, pairs: list[dict[str, Any]]) -> list[str]:
+    """The same pairs over each side's own scale (NOTE [ Gradient scale ]): the prediction over
+    the model's unit ``S``, the draws over the exact gradient's ‖g‖² at the audit. Within 2x
+    here and not above, the per-layer ratios hold and the scale ``S`` has moved away."""
+    scaled = [p for p in pairs if p.get("unit") and p.get("ref_sq")]
+    if not scaled:
+        return []
+    factors = [_factor(p["predicted"] / p["unit"], p["measured"] / p["ref_sq"]) for p in scaled]
+    ok = sum(f <= 2.0 for f in factors)
+    first = scaled[0]
+    return [f"  audit {model}, over each side's scale: within 2x {ok}/{len(scaled)}; median "
+            f"{statistics.median(factors):.3g}x; unit S {first['unit']:.4g}, exact |g|^2 at the audit "
+            f"{first['ref_sq']:.4g}"]
 
 
 def _factor(a: float, m: float) -> float:

@@ -68,6 +68,9 @@ def test_fidelity_benchmark_audits_the_variance_model() -> None:
     assert found is not None, audit[0]
     total = int(found.group(2))
     assert total > 0 and total % 4 == 0, audit[0]  # every audited layer at each of the 4 widths
+    # and the same pairs over each side's own gradient scale (NOTE [ Gradient scale between probes ])
+    scaled = [line for line in out.stdout.splitlines() if line.strip().startswith("audit cnn, over")]
+    assert len(scaled) == 1 and re.search(r"within 2x (\d+)/(\d+);", scaled[0]), out.stdout
 
 
 def test_fidelity_benchmark_reseeded_plain_row() -> None:
