@@ -76,6 +76,16 @@ bits (10.97x -> 7.48x). So :meth:`Calibration._closed_now` scales a closed form 
 (unit now / unit at the last probe) · (median ‖∇Y‖² at the last probe / median now): its
 overall level moves with the unit, a layer's share among the layers with its own statistics.
 
+A measured layer's drift (NOTE [ Calibration ]) follows the same share: each measurement
+keeps, per probe, its closed form over that probe's median ‖∇Y‖² (``Measurement.shares``),
+and the drift is √ of today's closed form over today's median against that, clipped at 2x.
+Compared through the units instead, a measurement from an earlier probe than the last saw
+the lag between its probe and the last as drift: on ResNet-18's ``varcheck`` run every
+measured pair's prediction sat at exactly twice its stored value (the clip), while the
+stored values matched the audit's fresh draws within 1.3x; with shares, 47 of 48 pairs
+within 2x (25 before). A measurement stored without shares (a state saved before them, a
+probe without the median) drifts as before.
+
 Above 2 bits, a layer's widths share one scale pooled from 2 bits up under the (2^b − 1)⁻² law
 (:func:`law`, which counts 8 bits' smaller groups; the law holds per layer from 2 bits up
 within ~1.3x on the nets we measured; NOTE [ Pooling the widths from 2 bits up ]). An
@@ -185,6 +195,14 @@ class Measurement:
     draws: tuple[float, ...] = ()
     """The last ``_WINDOW`` probes' values (oldest first)."""
     closed_draws: tuple[float, ...] = ()
+    shares: tuple[float, ...] = ()
+    """Per probe, the closed form over the median ‖∇Y‖² then: the layer's share among the
+    layers, what its drift follows (NOTE [ Gradient scale between probes ]); empty for
+    measurements taken before it was kept."""
+
+    @property
+    def share(self) -> float | None:
+        return sum(self.shares) / len(self.shares) if self.shares else None
 
 
 EIGHT_BIT_RANGES = 0.69
@@ -230,6 +248,8 @@ class Calibration:
         """The training gradient's squared norm at the weights of the last probe."""
         self._anchor_due = False
         self._probe_scale: tuple[float, float] | None = None
+        self._probe_g2: float | None = None
+        """The median ‖∇Y‖² at the last probe, for its measurements' shares."""
         """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between probes ])."""
         self.added_share = 0.0
         """The allocation in use's predicted added variance over :meth:`unit`, when it was solved."""
@@ -292,14 +312,17 @@ class Calibration:
         if not (math.isfinite(value) and value >= 0):
             return
         unit = self._probe_unit or 1.0  # NOTE [ Gradient scale ]
+        share = predicted / self._probe_g2 if self._probe_g2 else None
         value, predicted = value / unit, predicted / unit
         mine = self.measured.setdefault(layer, {})
         old = mine.get(bits)
         draws = ((old.draws or (old.value,)) if old is not None else ()) + (value,)
         closed = ((old.closed_draws or (old.closed_form,)) if old is not None else ()) + (predicted,)
         draws, closed = draws[-_WINDOW:], closed[-_WINDOW:]
+        # a probe without the median keeps the drift as it was (NOTE [ Gradient scale between probes ])
+        shares = ((old.shares if old is not None else ()) + (share,))[-_WINDOW:] if share is not None else ()
         mine[bits] = Measurement(robust_value(draws), sum(closed) / len(closed), step,
-                                 (old.count if old is not None else 0) + 1, draws, closed)
+                                 (old.count if old is not None else 0) + 1, draws, closed, shares)
 
     def mark_unsafe(self, layer: str, bits: int) -> None:
         """Remember that ``layer`` at ``bits`` produced an absurd draw (NOTE [ Robust measurements ])."""
@@ -316,9 +339,10 @@ class Calibration:
             self.grad_sq = _ema(self.unit() if self.grad_sq else None, grad_sq)
             self._anchor_sq = self._train_sq
             self._anchor_due = self._train_sq is None
-            self._probe_scale = None
+            self._probe_scale = self._probe_g2 = None
             if median_grad_sq is not None and math.isfinite(median_grad_sq) and median_grad_sq > 0:
                 self._probe_scale = (self.grad_sq, median_grad_sq)
+                self._probe_g2 = median_grad_sq
         if noise is not None and math.isfinite(noise) and noise > 0:
             self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
 
@@ -337,14 +361,20 @@ class Calibration:
         p = self._closed_now(state, fallback_g2, b)
         mine = _speaking_for(b, self.measured.get(state.name, {}))
         unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
+        # NOTE [ Gradient scale between probes ]: a measured layer drifts with its share
+        share_now = closed_form(state, fallback_g2, b) / fallback_g2 if fallback_g2 > 0 else 0.0
         pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
-            scale, closed_scale = pooled
+            scale, closed_scale, share_scale = pooled
             step = law(b)
-            return scale / step * _drift(p / unit, closed_scale / step) * unit
+            drift = (_drift(share_now, share_scale / step) if share_scale is not None
+                     else _drift(p / unit, closed_scale / step))
+            return scale / step * drift * unit
         if b in mine:
             m = mine[b]
-            return m.value * _drift(p / unit, m.closed_form) * unit
+            share = m.share
+            drift = _drift(share_now, share) if share is not None else _drift(p / unit, m.closed_form)
+            return m.value * drift * unit
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
@@ -503,7 +533,7 @@ class Calibration:
     def state_dict(self) -> dict[str, object]:
         return {
             "measured": {n: {str(b): [m.value, m.closed_form, m.step, m.count, list(m.draws),
-                                      list(m.closed_draws)] for b, m in mine.items()}
+                                      list(m.closed_draws), list(m.shares)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
             "unsafe": dict(self.unsafe),
             "grad_sq": self.grad_sq,
@@ -523,7 +553,8 @@ class Calibration:
                 self.measured[str(name)] = {
                     int(b): Measurement(float(v[0]), float(v[1]), int(v[2]), int(v[3]),
                                         tuple(float(x) for x in (v[4] if len(v) > 4 else ())),
-                                        tuple(float(x) for x in (v[5] if len(v) > 5 else ())))
+                                        tuple(float(x) for x in (v[5] if len(v) > 5 else ())),
+                                        tuple(float(x) for x in (v[6] if len(v) > 6 else ())))
                     for b, v in dict(mine).items()
                 }
         unsafe = state.get("unsafe") or {}
@@ -553,14 +584,15 @@ class Calibration:
         """Express absolute measurements in units of ``unit`` (a state saved without a scale)."""
         self.measured = {
             name: {b: Measurement(m.value / unit, m.closed_form / unit, m.step, m.count,
-                                  tuple(d / unit for d in m.draws), tuple(d / unit for d in m.closed_draws))
+                                  tuple(d / unit for d in m.draws), tuple(d / unit for d in m.closed_draws),
+                                  m.shares)
                    for b, m in mine.items()}
             for name, mine in self.measured.items()
         }
         self._noise = None if self._noise is None else self._noise / unit
 
 
-def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
+def _pooled(mine: dict[int, Measurement]) -> tuple[float, float, float | None] | None:
     """The layer's measured and closed-form scales ``V · (2^b − 1)²``, pooled over widths >= 2.
 
     NOTE [ Pooling the widths from 2 bits up ]
@@ -580,7 +612,8 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
     the two own measurements, stays as it was); so does 1 bit (it does not follow the law:
     NOTE [ Calibration ]).
     """
-    total = scale = closed = 0.0
+    total = scale = closed = shared = 0.0
+    every_share = True
     for b, m in mine.items():
         if b < 2 or m.closed_form <= 0:
             continue
@@ -589,9 +622,12 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float] | None:
         total += w
         scale += w * m.value * step
         closed += w * m.closed_form * step
+        share = m.share
+        every_share = every_share and share is not None
+        shared += w * (share or 0.0) * step
     if total == 0:
         return None
-    return scale / total, closed / total
+    return scale / total, closed / total, (shared / total if every_share else None)
 
 
 _T = TypeVar("_T")

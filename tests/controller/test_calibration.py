@@ -141,6 +141,31 @@ def test_the_scale_follows_the_training_gradient_between_probes() -> None:
     assert math.isclose(cal.unit(), cal.grad_sq or 0.0, rel_tol=1e-9)
 
 
+def test_a_measured_layer_drifts_with_its_share_among_the_layers() -> None:
+    """NOTE [ Gradient scale between probes ]: a measurement's drift compares the layer's closed
+    form over the median ‖∇Y‖², then and now, so a closed form that trails the unit's fall
+    (with every other layer's) leaves the measured value as it was, and a layer whose share
+    grew is predicted higher (square-rooted, clipped at 2x)."""
+    cal = Calibration(ControllerConfig())
+    a = _layer("a", 1.0, grad_sq=1.0)
+    cal.observe_training(4.0)
+    cal.record_reference(10.0, 5.0, median_grad_sq=1.0)
+    cal.record("a", 2, 0.2, closed_form(a, 1.0, 2), step=0)
+    for _ in range(20):
+        cal.observe_training(0.0004)  # the gradient's ‖g‖² fell 10⁴-fold
+    a.ema_grad_sq = 0.1  # its closed form and the median trail it at 10x
+    cal.record_reference(cal.unit(), 0.5 * cal.unit(), median_grad_sq=0.1)  # a probe that skips "a"
+    # (measured against this last probe's unit and median, "a"'s closed form would have
+    # drifted 10x up, clipped at 2: the prediction twice the measurement)
+    assert math.isclose(cal.estimate(a, 0.1, 2), 0.02 * cal.unit(), rel_tol=1e-4)
+    assert math.isclose(cal.estimate(a, 0.1, 4), cal.estimate(a, 0.1, 2) * law(2) / law(4), rel_tol=1e-4)
+    a.ema_grad_sq = 0.4  # its share among the layers grew 4x
+    assert math.isclose(cal.estimate(a, 0.1, 2), 2.0 * 0.02 * cal.unit(), rel_tol=1e-4)
+    again = Calibration(ControllerConfig())
+    again.load_state_dict(cal.state_dict())
+    assert again.measured["a"][2].shares == cal.measured["a"][2].shares != ()
+
+
 def test_predictions_follow_a_gradient_that_shrinks_after_the_last_probe() -> None:
     """A run whose gradient falls 100x in norm after its only probe (the loss scaled down):
     what the model predicts each layer adds falls with it (by ~10⁴, the drift's clip aside),
