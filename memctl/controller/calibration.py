@@ -248,9 +248,8 @@ class Calibration:
         """The training gradient's squared norm at the weights of the last probe."""
         self._anchor_due = False
         self._probe_scale: tuple[float, float] | None = None
-        self._probe_g2: float | None = None
-        """The median ‖∇Y‖² at the last probe, for its measurements' shares."""
-        """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between probes ])."""
+        """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between
+        probes ]): the closed forms' level, and the measurements' shares."""
         self.added_share = 0.0
         """The allocation in use's predicted added variance over :meth:`unit`, when it was solved."""
         self._noise: float | None = None
@@ -312,7 +311,7 @@ class Calibration:
         if not (math.isfinite(value) and value >= 0):
             return
         unit = self._probe_unit or 1.0  # NOTE [ Gradient scale ]
-        share = predicted / self._probe_g2 if self._probe_g2 else None
+        share = predicted / self._probe_scale[1] if self._probe_scale else None
         value, predicted = value / unit, predicted / unit
         mine = self.measured.setdefault(layer, {})
         old = mine.get(bits)
@@ -339,10 +338,9 @@ class Calibration:
             self.grad_sq = _ema(self.unit() if self.grad_sq else None, grad_sq)
             self._anchor_sq = self._train_sq
             self._anchor_due = self._train_sq is None
-            self._probe_scale = self._probe_g2 = None
+            self._probe_scale = None
             if median_grad_sq is not None and math.isfinite(median_grad_sq) and median_grad_sq > 0:
                 self._probe_scale = (self.grad_sq, median_grad_sq)
-                self._probe_g2 = median_grad_sq
         if noise is not None and math.isfinite(noise) and noise > 0:
             self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
 
