@@ -72,7 +72,7 @@ closed form; the closed form's ‖∇Y‖² is read on two steps in ten and smoo
 gradient statistics ] in stats.py), so after a fall it trails the gradient by orders of
 magnitude. Against a bound that follows the gradient, ResNet-18's unmeasured layers then
 looked 10³-10⁵ times louder than the audit measured, and the default policy put them at 8
-bits (10.97x -> 7.48x). So :meth:`Calibration._closed_now` scales a closed form by
+bits (10.97x -> 7.48x). So :meth:`Calibration._level` scales a closed form by
 (unit now / unit at the last probe) · (median ‖∇Y‖² at the last probe / median now): its
 overall level moves with the unit, a layer's share among the layers with its own statistics.
 
@@ -245,8 +245,8 @@ class Calibration:
         """EMA of the training gradient's squared norm over the step boundaries (NOTE [ Gradient
         scale between probes ])."""
         self._anchor_sq: float | None = None
-        """The training gradient's squared norm at the weights of the last probe."""
-        self._anchor_due = False
+        """The training gradient's squared norm at the weights of the last probe (None: the
+        next boundary's sets it)."""
         self._probe_scale: tuple[float, float] | None = None
         """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between
         probes ]): the closed forms' level, and the measurements' shares."""
@@ -297,8 +297,8 @@ class Calibration:
             return
         # E‖ĝ‖² = ‖g‖² + what compression adds
         self._train_sq = _ema(self._train_sq, grad_sq / (1.0 + self.added_share))
-        if self._anchor_due:
-            self._anchor_sq, self._anchor_due = self._train_sq, False
+        if self._anchor_sq is None:
+            self._anchor_sq = self._train_sq
 
     @property
     def grad_noise(self) -> float | None:
@@ -337,7 +337,6 @@ class Calibration:
             # the previous scale, moved to this step by the training gradient, then this probe
             self.grad_sq = _ema(self.unit() if self.grad_sq else None, grad_sq)
             self._anchor_sq = self._train_sq
-            self._anchor_due = self._train_sq is None
             self._probe_scale = None
             if median_grad_sq is not None and math.isfinite(median_grad_sq) and median_grad_sq > 0:
                 self._probe_scale = (self.grad_sq, median_grad_sq)
@@ -356,11 +355,12 @@ class Calibration:
         if bits >= KEEP_BITS:
             return 0.0
         b = int(bits)
-        p = self._closed_now(state, fallback_g2, b)
+        raw = closed_form(state, fallback_g2, b)
         mine = _speaking_for(b, self.measured.get(state.name, {}))
         unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
+        p = raw * self._level(unit, fallback_g2)
         # NOTE [ Gradient scale between probes ]: a measured layer drifts with its share
-        share_now = closed_form(state, fallback_g2, b) / fallback_g2 if fallback_g2 > 0 else 0.0
+        share_now = raw / fallback_g2 if fallback_g2 > 0 else 0.0
         pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
             scale, closed_scale, share_scale = pooled
@@ -376,7 +376,7 @@ class Calibration:
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            value = m.value * _law(b, near, p, self._closed_now(state, fallback_g2, near)) * unit
+            value = m.value * _law(b, near, raw, closed_form(state, fallback_g2, near)) * unit
             if b == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
@@ -389,15 +389,14 @@ class Calibration:
         largest = self._largest_factor(b)
         return p if largest is None else largest * p
 
-    def _closed_now(self, state: LayerState, fallback_g2: float, bits: int) -> float:
-        """The closed form, its overall scale moved as the unit has moved since the last probe
-        rather than as the median ‖∇Y‖² has (NOTE [ Gradient scale between probes ]): a
-        layer's own share among the layers still moves it."""
-        p = closed_form(state, fallback_g2, bits)
+    def _level(self, unit: float, fallback_g2: float) -> float:
+        """What moves a closed form's overall scale as the unit (``unit``, now) has moved since
+        the last probe rather than as the median ‖∇Y‖² has (NOTE [ Gradient scale between
+        probes ]): a layer's own share among the layers still moves it."""
         if self._probe_scale is None or not fallback_g2 > 0:
-            return p
-        unit, g2 = self._probe_scale
-        return p * (self.unit() / unit) * (g2 / fallback_g2)
+            return 1.0
+        then, g2 = self._probe_scale
+        return (unit / then) * (g2 / fallback_g2)
 
     def unmeasured(self, layers: Iterable[LayerState]) -> bool:
         """Whether any of ``layers`` has no measurement yet (also kept as :attr:`complete`)."""
@@ -567,7 +566,6 @@ class Calibration:
         train, anchor = state.get("train_sq"), state.get("anchor_sq")
         self._train_sq = float(train) if isinstance(train, int | float) and train > 0 else None
         self._anchor_sq = float(anchor) if isinstance(anchor, int | float) and anchor > 0 else None
-        self._anchor_due = self._anchor_sq is None
         scale = state.get("probe_scale")
         self._probe_scale = None
         if isinstance(scale, list | tuple) and len(scale) == 2 and all(

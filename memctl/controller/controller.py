@@ -445,14 +445,14 @@ class Controller:
                 state.numels = ()
                 state.used_bits = None
         cal = self._calibration
+        steps = list(records.values())
         # NOTE [ Gradient scale between probes ]: the training gradient's ‖ĝ‖², in the same read-back
-        trained = LayerStep()
-        if cal.enabled and records and not self._packer.fsdp.active:
-            trained.grad_sq.extend(self._training_grad_sq())
-        scalars = read_scalars([*records.values(), trained])  # NOTE [ One read-back per step ]
-        if trained.grad_sq:
-            cal.observe_training(scalars[-1][3])
-        scalars.pop()
+        trained = self._training_grad_sq() if cal.enabled and records and not self._packer.fsdp.active else []
+        if trained:
+            steps.append(LayerStep(grad_sq=list(trained)))
+        scalars = read_scalars(steps)  # NOTE [ One read-back per step ]
+        if trained:
+            cal.observe_training(scalars.pop()[3])
         for (name, rec), row in zip(records.items(), scalars, strict=True):
             state = self._layers.setdefault(name, LayerState(name=name))
             state.update(rec, batch=batch, decay=self.config.ema_decay, scalars=row)
