@@ -16,9 +16,10 @@ instead of two: when ``y`` is packed and it is the direct output (``y.grad_fn`` 
 op's node) of a table op whose input record is a quantised payload, ``x`` is encoded
 again at ``b_x + b_y`` bits (at most 8, rounded down to a width of the codec: 1, 2, 4 or
 8; 1 + 2 bits give 2, and the bit left over is saved, never spent beyond what the
-layers were given; and no wider than the bytes the two records held: 4 + 4 bits stay 4,
-because an 8-bit record's groups cost more, NOTE [ Eight-bit groups ] in the quantize
-codec) and ``y``'s record keeps no payload; unpacking it
+layers were given; and no wider than the bytes the two records held: an 8-bit record's
+groups cost more, NOTE [ Eight-bit groups ] in the quantize codec; where that holds the
+root at no more than ``b_y`` bits, 4 + 4 bits, ``y`` keeps its own record instead, which
+reads it finer) and ``y``'s record keeps no payload; unpacking it
 decodes ``x̂`` (projected into its regions) and applies ``f`` with the node's own
 parameters. The bytes are those of the two records before (``b_x + b_y`` bits per
 value), the error of both reads is that of one record at twice the bits (the step

@@ -21,8 +21,9 @@ is ``f(x)`` (or ``f(x, z)``) and its record keeps no payload (a ``Derived`` of t
 roots); its bits go to a root, as in derived.py: the width of the quantised root with
 the fewest bits grows by the record's bits (within the codec's widths, at most 8, and
 no wider than the bytes the two records held: an 8-bit record's groups cost more, NOTE [
-Eight-bit groups ] in the quantize codec, so 4 + 4 bits stay 4), so the bytes are at
-most those of the separate records, and lower where the widths are capped. For
+Eight-bit groups ] in the quantize codec; where that holds the root at no more than the
+record's own bits, 4 + 4, the record keeps its own payload), so the bytes are at most
+those of the separate records, and lower where the widths are capped. For
 ``gelu_new`` at 2 bits the five records of 2 bits (10 bits per value) become one of 8.
 SwiGLU's ``silu(gate)·up``, which the next linear layer saves, is read from the gate's
 and the up projection's records: the same bytes, and on a 2-bit test MLP the gradients'

@@ -1824,7 +1824,7 @@ class Packer:
             source = expr.sources[expr.roots.index(root)]
             have = int(root.data.params["bits"])
             granted = self._granted.get(id(root), have) + int(bits)
-            if not self._raise_root(root, source, granted - have, layer, rec):
+            if not self._raise_root(root, source, granted - have, layer, rec, own=int(bits)):
                 return None
             self._granted[id(root)] = granted
         for r in expr.roots:
@@ -1862,11 +1862,13 @@ class Packer:
             del self._offered[next(iter(self._offered))]
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
-                    force: bool = False, hidden: bool = False) -> bool:
+                    force: bool = False, hidden: bool = False, own: int | None = None) -> bool:
         """``root``'s payload again at ``bits`` more (within the codec's widths), encoded from ``source``
         (also when the width does not grow, if ``force``; in half precision from 16 bits on, if
         ``hidden``: a record autograd never unpacks itself); its growth counted in ``rec``, the layer
-        of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ])."""
+        of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ]). False: the
+        derived record would be read coarser than its own record of ``own`` bits (``bits`` unless
+        given) would keep it, or the encode failed; both records then stay as they are."""
         old = root.data
         if is_wide(old):
             return True  # half precision already holds more than any sum of widths
@@ -1887,6 +1889,11 @@ class Packer:
                              -(-n * bits // 8) + 8 * -(-n // group))
         while raised > int(old.params["bits"]) and packed_nbytes(n, raised, group) > kept:
             raised = width_within(raised - 1)
+        if raised < width_within(total) and raised <= (bits if own is None else own):
+            # the bytes held the root under the sum of the widths, at no more than the derived
+            # record's own: read from it, that record would come back coarser than it is (4 + 4
+            # bits: 4, where the two records were 4 bits each, NOTE [ Batch-norm outputs ... ])
+            return False
         if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
             seed = self._next_seed()
