@@ -22,7 +22,8 @@ roots); its bits go to a root, as in derived.py: the width of the quantised root
 the fewest bits grows by the record's bits (within the codec's widths, at most 8, and
 no wider than the bytes the two records held: an 8-bit record's groups cost more, NOTE [
 Eight-bit groups ] in the quantize codec; where that holds the root at no more than the
-record's own bits, 4 + 4, the record keeps its own payload), so the bytes are at most
+record's own bits, 4 + 4, the record keeps its own payload; so it does where every root is
+a rebuilt record whose own root is no wider than the record), so the bytes are at most
 those of the separate records, and lower where the widths are capped. For
 ``gelu_new`` at 2 bits the five records of 2 bits (10 bits per value) become one of 8.
 SwiGLU's ``silu(gate)·up``, which the next linear layer saves, is read from the gate's

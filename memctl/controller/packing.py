@@ -1824,9 +1824,12 @@ class Packer:
             source = expr.sources[expr.roots.index(root)]
             have = int(root.data.params["bits"])
             granted = self._granted.get(id(root), have) + int(bits)
-            if not self._raise_root(root, source, granted - have, layer, rec, own=int(bits)):
+            if not self._raise_root(root, source, granted - have, layer, rec, at_least=int(bits) + 1):
                 return None
             self._granted[id(root)] = granted
+        elif any(isinstance(data, Packed) and int(data.params["bits"]) <= int(bits)
+                 for data in (root_of(r).data for r in expr.roots)):
+            return None  # read through a rebuilt root no finer than t's own record: t keeps its own
         for r in expr.roots:
             r.readers += 1  # NOTE [ One decode for several readers ]: a root is decoded once for all
         rec.bit_values += bits * t.numel()
@@ -1862,13 +1865,14 @@ class Packer:
             del self._offered[next(iter(self._offered))]
 
     def _raise_root(self, root: Saved, source: torch.Tensor, bits: int, layer: str, rec: LayerStep,
-                    force: bool = False, hidden: bool = False, own: int | None = None) -> bool:
+                    force: bool = False, hidden: bool = False, at_least: int | None = None) -> bool:
         """``root``'s payload again at ``bits`` more (within the codec's widths), encoded from ``source``
         (also when the width does not grow, if ``force``; in half precision from 16 bits on, if
         ``hidden``: a record autograd never unpacks itself); its growth counted in ``rec``, the layer
         of the record that no longer keeps its own (NOTE [ Outputs recomputed ... ]). False: the
-        derived record would be read coarser than its own record of ``own`` bits (``bits`` unless
-        given) would keep it, or the encode failed; both records then stay as they are."""
+        bytes held the root under the sum of the widths and under ``at_least`` bits (default
+        ``bits + 1``), where the derived record would come back coarser than its own record, or
+        the encode failed; both records then stay as they are."""
         old = root.data
         if is_wide(old):
             return True  # half precision already holds more than any sum of widths
@@ -1889,10 +1893,9 @@ class Packer:
                              -(-n * bits // 8) + 8 * -(-n // group))
         while raised > int(old.params["bits"]) and packed_nbytes(n, raised, group) > kept:
             raised = width_within(raised - 1)
-        if raised < width_within(total) and raised <= (bits if own is None else own):
-            # the bytes held the root under the sum of the widths, at no more than the derived
-            # record's own: read from it, that record would come back coarser than it is (4 + 4
-            # bits: 4, where the two records were 4 bits each, NOTE [ Batch-norm outputs ... ])
+        if raised < width_within(total) and raised < (bits + 1 if at_least is None else at_least):
+            # an activation's result read from its input's grid at its own width comes back
+            # coarser than its own record (4 + 4 bits held at 4: NOTE [ Batch-norm outputs ... ])
             return False
         if raised > int(old.params["bits"]) or force:
             start = time.perf_counter()
@@ -1932,6 +1935,9 @@ class Packer:
         if fns is None:
             return None
         normalise, z_of, t_of = fns
+        # the batch norm's output is affine in n, so a root of its own width reads it as finely as
+        # its own record; ReLU's result needs a finer one (NOTE [ Batch-norm outputs ... ])
+        finest = int(bits) + (1 if chain.after == "ReluBackward0" else 0)
         key = (chain.key, t.dtype, t.device.type)
         region = None
         try:
@@ -1946,14 +1952,15 @@ class Packer:
                 n = normalise(z)
                 normalised = Saved(root.data, n, layer=z_saved.layer)
                 if not self._raise_root(normalised, n, 0 if own else int(bits), layer, rec, force=True,
-                                        hidden=True):
+                                        hidden=True, at_least=finest):
                     return None
                 z_saved.data, root = Derived(normalised, z_of), normalised
                 if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
                     self._root_hints_next.add(z_saved.slot)
                 if self._batches.deferred:
                     self._settle_deferred()
-            elif own or n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True):
+            elif own or n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True,
+                                                          at_least=finest):
                 return None
         except Exception as exc:  # see NOTE [ Codec fallback ]: t keeps its own record
             self._on_fallback(layer, exc)

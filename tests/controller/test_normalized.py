@@ -146,15 +146,18 @@ def test_relu_after_batch_norm_keeps_exact_zeros(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_a_chain_is_never_read_coarser_than_its_own_records(bits: int,
+@pytest.mark.parametrize("act", [nn.ReLU, nn.Hardswish, nn.SiLU, nn.GELU, nn.Hardtanh])
+def test_a_chain_is_never_read_coarser_than_its_own_records(act: Callable[[], nn.Module], bits: int,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """At 4 + 4 bits an 8-bit root costs more bytes than the two 4-bit records (NOTE [ Eight-bit
-    groups ]): the chain does not form then, rather than read ReLU's result from a 4-bit root of
-    the batch norm's input, twice as coarse as its own 4-bit record."""
-    joint, _ = _error(_model(nn.ReLU), bits)
+    groups ]): an activation's result keeps its own record then, rather than be read from a 4-bit
+    root of the batch norm's input, twice as coarse (ReLU's directly, the others' rebuilt from
+    the batch norm's output, itself read from that root); never more bytes than separate records."""
+    joint, joint_bytes = _error(_model(act), bits)
     _no_chains(monkeypatch)
-    separate, _ = _error(_model(nn.ReLU), bits)
+    separate, separate_bytes = _error(_model(act), bits)
     assert joint <= 1.05 * separate, (joint, separate)
+    assert joint_bytes <= separate_bytes, (joint_bytes, separate_bytes)
 
 
 def _cuda_relu_read(train: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[float, bool]:
