@@ -21,21 +21,22 @@ of one (``y = relu(x)``), and the batch norm's input is a quantised record still
 (NOTE [ Finding the op that saved a tensor ] in regions.py), ``t`` keeps no payload: its
 record decodes ``ẑ`` and applies ``a·ẑ + c`` (and ReLU), and ``z``'s record is encoded
 again at the widest codec width within ``b_z + b_t`` bits (at most 8): 2 + 2 bits give
-one 4-bit record where there were two 2-bit ones, so the bytes never grow and every
-read is at least as fine as before. The bytes can hold the root under that width: at
-4 + 4 bits an 8-bit root costs more than the two 4-bit records (NOTE [ Eight-bit groups ]
-in the quantize codec). ``x``, affine in ``n``, is read as finely from a root of its own
+one 4-bit record where there were two 2-bit ones, so the bytes never grow and every read
+is at least as fine as before. The bytes can hold the root under that width: at 4 + 4
+bits an 8-bit root costs more than the two 4-bit records (NOTE [ Eight-bit groups ] in
+the quantize codec). ``x``, affine in ``n``, is read as finely from a root of its own
 width, so it still joins; ReLU's result is not (a grid over both signs of ``n``, twice as
 coarse as its own 4-bit record: the gradient's error at the block's input 0.135 against
-0.073), so it keeps its own record, and so does an activation's output rebuilt from
-``x`` (expressions.py). Before this, ``bits=4`` kept the very records of ``bits=2``. A ReLU result keeps its
-exact mask (region code) on top, so its zeros stay exact. The activation's output ``y``
-is then recomputed from ``x``'s record as before, and its bits also go to ``z``'s record
-(the root of the chain): ``z``, ``x`` and ``y`` at 2 bits each become one 4-bit record (the codec has no 6-bit
-width: the 2 bits left over are bytes saved, not spent). On the conv nets of
-``benchmarks/activations.py`` at 2 bits this took ReLU's net from 0.983 to 0.991 (its
-result now read at 4 bits) and the ratio of the other activations' nets from 12.2x to
-14.9x at the same or better cosine (figures in benchmarks/README.md).
+0.073), so it keeps its own record, and so does an activation's output rebuilt from ``x``
+(expressions.py). Before this, ``bits=4`` kept the very records of ``bits=2``. A ReLU
+result keeps its exact mask (region code) on top, so its zeros stay exact. The
+activation's output ``y`` is then recomputed from ``x``'s record as before, and its bits
+also go to ``z``'s record (the root of the chain): ``z``, ``x`` and ``y`` at 2 bits each
+become one 4-bit record (the codec has no 6-bit width: the 2 bits left over are bytes
+saved, not spent). On the conv nets of ``benchmarks/activations.py`` at 2 bits this took
+ReLU's net from 0.983 to 0.991 (its result now read at 4 bits) and the ratio of the
+other activations' nets from 12.2x to 14.9x at the same or better cosine (figures in
+benchmarks/README.md).
 
 Normalised coordinates: the record holds ``n = (z - mean)·invstd``, not ``z``: ``z``
 (``n/invstd + mean``) and ``x`` (``weight·n + bias``) are both read from it. A
