@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -81,15 +82,21 @@ def test_predicted_variance_matches_measurement_within_2x() -> None:
     assert len(ratios) >= 36
     assert {b for _, b in ratios} == {1, 2, 4, 8}
     assert sum(name.endswith(("bn", "bn1", "bn2")) for name, _ in ratios) >= 16  # BatchNorm inputs
-    # at 4 and 8 bits the prediction pools the layer's draws at every width from 2 bits up
-    # (NOTE [ Pooling the widths from 2 bits up ]). Over seeds 0-5 of this test, 38-39 pairs
-    # of 39-40 are within 2x and the worst is 2.0-2.5x (a 4-draw measurement against a
-    # prediction from the calibration's own draws; before dropout masks left the allocation's
-    # control, seed 0 happened to have every pair within 2x, seeds 1-2 did not): most pairs
-    # within 2x, every pair within 3x
-    missed = {k: r for k, r in ratios.items() if not 0.5 <= r <= 2.0}
-    assert len(missed) <= len(ratios) // 10, ratios
-    assert all(1 / 3 <= r <= 3.0 for r in ratios.values()), ratios
+    # The scale and the layers apart: every prediction is the calibration's unit (NOTE [ Gradient
+    # scale ]) times a layer's stored ratio, and the unit follows the last few 32-sample batches,
+    # whose ‖g‖² spreads ~4x here (0.45-1.73 over four fresh batches at seed 0, where the last
+    # training batch's was 0.94): the median ratio is the unit against this batch, 0.65 at seed
+    # 0, 0.83 and 1.03 at seeds 1-2; within 2x.
+    median = statistics.median(ratios.values())
+    assert 0.5 <= median <= 2.0, ratios
+    # Over the median, the per-layer model: at 4 and 8 bits the prediction pools the layer's
+    # draws at every width from 2 bits up (NOTE [ Pooling the widths from 2 bits up ]). A
+    # 4-draw measurement against a prediction from the calibration's own draws: at seeds 0-2,
+    # 1-2 pairs of 36-39 outside 2x, the worst 2.3-2.7x; most pairs within 2x, every pair within 3x
+    shape = {k: r / median for k, r in ratios.items()}
+    missed = {k: r for k, r in shape.items() if not 0.5 <= r <= 2.0}
+    assert len(missed) <= len(shape) // 10, shape
+    assert all(1 / 3 <= r <= 3.0 for r in shape.values()), shape
 
 
 def test_closed_form_alone_is_far_from_measurement() -> None:
