@@ -158,6 +158,30 @@ probe measures a layer at 1 bit beyond that only where its share allows, as befo
 there. The debt keeps the share: a larger probe is followed by a longer wait. Under a process
 group every rank must probe at the same steps, so ranks keep one probe per allocation step
 (NOTE [ Calibration across ranks ]).
+
+NOTE [ Doubtful measurements ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Blocks that start closed open during training: a residual block whose last batch norm has a
+zero-initialised scale (RegNet, and ResNets built with ``zero_init_residual``), a layer scale
+of 1e-6 (ConvNeXt, CaiT). Measured at the first probe, a layer inside such a block adds next to
+nothing (RegNetY-200MF of ``benchmarks/fidelity.py``: ``s1.b1.conv2.bn.act`` at 2 bits 1.2e-9 of
+the gradient's ‖g‖² at step 0, 4.7e-7 in fresh draws at step 20), and with stalest-first
+refreshing in a model of 112 layers it was not measured again within 20 steps: predicted
+100-700x under what it adds, on the side that gives such a layer the fewest bits. Neither the
+drift (its closed form borrows the median output gradient) nor the outlier rules saw it. So:
+
+- *The schedule measures doubtful values again first*: a pair whose closed-form share
+  (NOTE [ Gradient scale between probes ]) moved more than the drift's clip can follow (4x
+  either way) since it was measured, and a single measurement more than 100x below the median
+  factor over the closed form of its width's measured layers (with five or more of them). The
+  most doubtful first; up to half of a probe's layer replays go to them ahead of the
+  unmeasured layers (which the uniform replays' fit covers, NOTE [ Unmeasured layers ]), the
+  rest after those, before the stalest. A second measurement, or a share back within 4x,
+  clears the doubt.
+- *Two probes in a row far above a window start it again*: when a layer's last two values
+  both exceed ``SUSPECT`` (8) times the robust mean of its draws before them, those earlier
+  draws describe another model and are dropped. One probe alone stays an outlier, outvoted
+  as NOTE [ Robust measurements ] says.
 """
 
 from __future__ import annotations
@@ -168,7 +192,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from memctl.controller.config import KEEP_BITS, ControllerConfig
-from memctl.controller.outliers import robust_value
+from memctl.controller.outliers import SUSPECT, robust_value
 from memctl.controller.stats import LayerState
 
 __all__ = ["EIGHT_BIT_RANGES", "Calibration", "Measurement", "closed_form", "law"]
@@ -178,6 +202,10 @@ _DEFAULT_ONE_BIT_EXCESS = 8.0
 _DRIFT_CLIP = 2.0
 _EMA = 0.5
 _WINDOW = 5
+_DOUBT_LOW = 100.0
+"""A single measurement this far below its width's median factor over the closed form is doubtful."""
+_DOUBT_PEERS = 5
+"""Measured layers a width needs before its median factor is trusted."""
 
 
 @dataclass(frozen=True)
@@ -320,6 +348,9 @@ class Calibration:
         draws, closed = draws[-_WINDOW:], closed[-_WINDOW:]
         # a probe without the median keeps the drift as it was (NOTE [ Gradient scale between probes ])
         shares = ((old.shares if old is not None else ()) + (share,))[-_WINDOW:] if share is not None else ()
+        if len(draws) > 2 and min(draws[-2:]) > SUSPECT * robust_value(draws[:-2]):
+            # NOTE [ Doubtful measurements ]: two probes in a row far above the draws before them
+            draws, closed, shares = draws[-2:], closed[-2:], shares[-2:]
         mine[bits] = Measurement(robust_value(draws), sum(closed) / len(closed), step,
                                  (old.count if old is not None else 0) + 1, draws, closed, shares)
 
@@ -470,23 +501,58 @@ class Calibration:
         first = safe[0] if safe else choices[0]
         return [first, *[b for b in choices if b != first]]
 
-    def schedule(self, layers: Iterable[LayerState], limit: int) -> list[tuple[str, int]]:
-        """Up to ``limit`` (layer, bits) pairs to measure next: unmeasured first, then the stalest."""
+    def schedule(self, layers: Iterable[LayerState], limit: int, fallback_g2: float | None = None,
+                 doubts_first: int = 0) -> list[tuple[str, int]]:
+        """Up to ``limit`` (layer, bits) pairs to measure next: up to ``doubts_first`` doubtful
+        measurements, the unmeasured pairs, the other doubtful ones, then the stalest (NOTE
+        [ Doubtful measurements ])."""
         ranked = sorted(layers, key=lambda s: (-sum(s.numels), s.name))
         order = self.order()
-        pairs: list[tuple[str, int]] = []
+        doubtful = self.doubtful(ranked, fallback_g2)
+        pairs: list[tuple[str, int]] = doubtful[:doubts_first]
         for b in order:
             for s in ranked:
                 if b not in self.measured.get(s.name, {}):
                     pairs.append((s.name, b))
+        pairs.extend(doubtful[doubts_first:])
         if len(pairs) < limit:
             names = {s.name for s in ranked}
+            taken = set(doubtful)
             stale = sorted(
                 ((m.step, name, b) for name, mine in self.measured.items() if name in names
-                 for b, m in mine.items() if b in order[:2]),
+                 for b, m in mine.items() if b in order[:2] and (name, b) not in taken),
             )
             pairs.extend((name, b) for _, name, b in stale)
         return pairs[:max(limit, 0)]
+
+    def doubtful(self, layers: Iterable[LayerState], fallback_g2: float | None) -> list[tuple[str, int]]:
+        """Measured pairs to measure again before the stalest, most doubtful first (NOTE [ Doubtful
+        measurements ]): the layer's closed-form share moved past what the drift may follow since
+        it was measured, or a single measurement sits far below its width's other layers."""
+        factors: dict[int, list[float]] = {}
+        for mine in self.measured.values():
+            for b, m in mine.items():
+                if m.closed_form > 0 and m.value > 0:
+                    factors.setdefault(b, []).append(math.log(m.value / m.closed_form))
+        medians = {b: sorted(f)[len(f) // 2] for b, f in factors.items() if len(f) >= _DOUBT_PEERS}
+        scored: list[tuple[float, str, int]] = []
+        for s in layers:
+            for b, m in self.measured.get(s.name, {}).items():
+                score = 0.0
+                then = m.share
+                if then is not None and fallback_g2 is not None and fallback_g2 > 0:
+                    now = closed_form(s, fallback_g2, b) / fallback_g2
+                    if now > 0:
+                        moved = abs(math.log(now / then)) if then > 0 else math.inf
+                        score = max(score, moved - math.log(_DRIFT_CLIP ** 2))
+                if m.count == 1 and b in medians:
+                    factor = math.log(m.value / m.closed_form) if m.closed_form > 0 and m.value > 0 \
+                        else -math.inf if m.closed_form > 0 else math.nan
+                    if not math.isnan(factor):
+                        score = max(score, medians[b] - factor - math.log(_DOUBT_LOW))
+                if score > 0:
+                    scored.append((-score, s.name, b))
+        return [(name, b) for _, name, b in sorted(scored)]
 
     def share(self) -> float:
         """The share of training time probes may take now (NOTE [ Probe cost ])."""

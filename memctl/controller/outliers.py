@@ -12,11 +12,11 @@ probes, by any factor, and the allocation and the guard act on it. So:
 - *A draw is suspect* when it is not finite, or above ``_ABSURD`` times the probe's own
   gradient scale (the larger of the exact gradient's squared norm and the minibatch
   gradient's variance: a relative measure, so the test holds at any loss scale and any
-  point of training), or above ``_SUSPECT`` times what the calibrated model expected
+  point of training), or above ``SUSPECT`` times what the calibrated model expected
   for it when the model rests on measurements of that layer and width.
 - *A suspect draw is re-probed*: the same replay with fresh random draws, up to
   ``REDRAWS`` more times; the probe keeps the mean of its draws without those above
-  ``_SUSPECT`` times their median (a non-finite draw orders as ``+inf`` and is never
+  ``SUSPECT`` times their median (a non-finite draw orders as ``+inf`` and is never
   averaged). One outlier among three draws is then outvoted; a reproducible one (two of
   three) is real and is kept.
 - *Every layer's estimate is the same outlier-free mean* of its last probes' values
@@ -39,11 +39,11 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
-__all__ = ["REDRAWS", "absurd", "robust_draws", "robust_value", "suspect"]
+__all__ = ["REDRAWS", "SUSPECT", "absurd", "robust_draws", "robust_value", "suspect"]
 
 _ABSURD = 1e4
 """A draw above this many times the probe's gradient scale is absurd."""
-_SUSPECT = 8.0
+SUSPECT = 8.0
 """A draw above this many times the model's measured expectation is re-probed."""
 REDRAWS = 2
 
@@ -59,11 +59,11 @@ def suspect(value: float, scale: float | None, expected: float | None) -> bool:
     """Whether a draw must be re-probed (see NOTE [ Robust measurements ])."""
     if absurd(value, scale):
         return True
-    return expected is not None and expected > 0 and value > _SUSPECT * expected
+    return expected is not None and expected > 0 and value > SUSPECT * expected
 
 
 def robust_value(draws: Sequence[float]) -> float:
-    """The mean of ``draws`` without outliers: with three or more, those above ``_SUSPECT``
+    """The mean of ``draws`` without outliers: with three or more, those above ``SUSPECT``
     times their median are left out (a non-finite draw orders as ``+inf``; ``inf`` if the
     median is). Not the median itself: a draw's spread is skewed (a chi-square with few
     degrees of freedom on a BatchNorm input), so a median sits below the mean the
@@ -77,7 +77,7 @@ def robust_value(draws: Sequence[float]) -> float:
     median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
     if math.isinf(median):
         return math.inf
-    kept = [v for v in ordered if v <= _SUSPECT * median]
+    kept = [v for v in ordered if v <= SUSPECT * median]
     return statistics.fmean(kept) if kept else median
 
 

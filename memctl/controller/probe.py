@@ -100,7 +100,9 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                     calibration.count_unmeasured(layers))
         limit = calibration.allowance(train_s, result.replays + 1, least)  # itself at least 1
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2)
+        # NOTE [ Doubtful measurements ]: up to half the replays measure doubtful values again first
+        everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2, fallback_g2,
+                                          doubts_first=max(1, limit // 2))
         # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
         prints = {**prior_footprints(model, [n for n in by_name if n not in calibration.footprints]),
                   **calibration.footprints} if config.calibration_groups else {}

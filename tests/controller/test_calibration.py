@@ -313,3 +313,54 @@ def test_the_first_probe_measures_every_layer_of_a_small_model() -> None:
     ctl.detach()
     assert cal.probes == 1 and cal.complete, (cal.probes, sorted(cal.measured))  # complete: every layer
     assert len(cal.measured) >= 3 and all(2 in mine for mine in cal.measured.values()), cal.measured
+
+
+def test_doubtful_measurements_are_measured_again_first() -> None:
+    """NOTE [ Doubtful measurements ]: a single measurement far below its width's other layers
+    (a block measured while it was closed) and a layer whose share moved past the drift's clip
+    since it was measured go ahead of the stalest pairs; the first few even ahead of layers
+    not measured yet. Confirmed or unmoved, a measurement waits its turn again."""
+    cal = Calibration(ControllerConfig(bit_choices=(1, 2, 4, 8)))
+    cal.record_reference(1.0, 0.5, median_grad_sq=1.0)
+    peers = [_layer(f"p{i}", 1.0) for i in range(6)]
+    for i, s in enumerate(peers):
+        cal.record(s.name, 2, closed_form(s, 1.0, 2), closed_form(s, 1.0, 2), step=i)
+    closed = _layer("closed", 1.0)
+    cal.record("closed", 2, 1e-6 * closed_form(closed, 1.0, 2), closed_form(closed, 1.0, 2), step=9)
+    moved = _layer("moved", 1.0)
+    cal.record("moved", 2, closed_form(moved, 1.0, 2), closed_form(moved, 1.0, 2), step=8)
+    fresh = _layer("fresh", 1.0)
+    layers = [*peers, closed, moved, fresh]
+    # nothing doubtful yet but the closed block: it comes first, then the unmeasured pairs
+    first = cal.schedule(layers, 100, 1.0, doubts_first=2)
+    assert first[0] == ("closed", 2) and first[1] == ("fresh", 2)
+    moved.ema_grad_sq = 10.0  # its share among the layers grew 10x: past the clip of 2x on √
+    first = cal.schedule(layers, 100, 1.0, doubts_first=2)
+    assert first[:3] == [("closed", 2), ("moved", 2), ("fresh", 2)]
+    moved.ema_grad_sq = 3.0  # within the clip: the drift follows it, no need to measure again
+    assert ("moved", 2) not in cal.doubtful(layers, 1.0)
+    # measured again: the window holds two draws, and the stalest pairs come in step order
+    cal.record("closed", 2, closed_form(closed, 1.0, 2), closed_form(closed, 1.0, 2), step=10)
+    assert cal.doubtful(layers, 1.0) == []
+    stale = [p for p in cal.schedule(layers, 100, 1.0) if p[1] == 2 and p[0] != "fresh"]
+    assert stale[:2] == [("p0", 2), ("p1", 2)] and stale[-1] == ("closed", 2)
+    # a measured value of zero against a closed form above it is the most doubtful of all
+    zero = _layer("zero", 1.0)
+    cal.record("zero", 2, 0.0, closed_form(zero, 1.0, 2), step=11)
+    assert cal.doubtful([*layers, zero], 1.0)[0] == ("zero", 2)
+
+
+def test_two_probes_far_above_a_layers_window_start_it_again() -> None:
+    """NOTE [ Doubtful measurements ]: a block that opens during training (a zero-initialised
+    batch norm's scale, a layer scale of 1e-6) adds more at every probe; its window's early
+    draws describe another model, and two probes in a row far above them replace them. One
+    probe alone is an outlier and is outvoted (NOTE [ Robust measurements ])."""
+    cal = Calibration(ControllerConfig())
+    a = _layer("a", 1.0)
+    p = closed_form(a, 1.0, 2)
+    for step, value in enumerate([1e-9, 1e-9, 1e-3]):
+        cal.record("a", 2, value, p, step)
+    assert cal.measured["a"][2].draws == (1e-9, 1e-9, 1e-3)
+    cal.record("a", 2, 3e-3, p, 3)
+    assert cal.measured["a"][2].draws == (1e-3, 3e-3)
+    assert math.isclose(cal.estimate(a, 1.0, 2), 2e-3, rel_tol=1e-9)
