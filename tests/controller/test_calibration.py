@@ -364,3 +364,16 @@ def test_two_probes_far_above_a_layers_window_start_it_again() -> None:
     cal.record("a", 2, 3e-3, p, 3)
     assert cal.measured["a"][2].draws == (1e-3, 3e-3)
     assert math.isclose(cal.estimate(a, 1.0, 2), 2e-3, rel_tol=1e-9)
+
+
+def test_unmeasured_layers_are_measured_by_size_and_by_loudness_in_turn() -> None:
+    """NOTE [ Which layers first ]: the largest layer, then the loudest guess, then the next
+    largest, and so on, each once."""
+    cal = Calibration(ControllerConfig(bit_choices=(2, 4, 8)))
+    big = [LayerState(f"big{i}", ema_grad_sq=1.0, ema_range_term=1.0, numels=(10_000 - i,)) for i in range(3)]
+    loud = [LayerState(f"loud{i}", ema_grad_sq=1e3 * (3 - i), ema_range_term=1.0, numels=(100,))
+            for i in range(3)]
+    order = [n for n, b in cal.schedule([*loud, *big], 100, 1.0) if b == 2]
+    assert order == ["big0", "loud0", "big1", "loud1", "big2", "loud2"]
+    # without the gradient statistics' median, by size alone
+    assert [n for n, b in cal.schedule([*loud, *big], 100) if b == 2][:3] == ["big0", "big1", "big2"]

@@ -76,8 +76,9 @@ def test_predicted_variance_matches_measurement_within_2x() -> None:
     ratios = {}
     for (name, b), measured in truth.items():
         predicted = layers[name]["variance_predicted"][str(b)]
-        if measured < 1e-6 * scale and predicted < 1e-6 * scale:
-            continue  # a layer whose compression changes nothing (dropout's mask is lossless)
+        if measured < 1e-12 * scale and predicted < 1e-12 * scale:
+            continue  # a layer whose compression changes nothing (dropout's mask is lossless); an
+            # 8-bit batch-norm input adds ~1e-6 of the 1-bit head's variance, and is a pair
         ratios[(name, b)] = predicted / measured
     assert len(ratios) >= 36
     assert {b for _, b in ratios} == {1, 2, 4, 8}
