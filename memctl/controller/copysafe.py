@@ -17,6 +17,7 @@ needs ``memctl`` importable (for the placeholder class), as it needs the model's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +30,19 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 _ID_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-class ControllerHook:
-    """A module or optimizer hook of one controller; copies and pickles become :class:`InertHook`."""
+class ControllerHook(functools.partial[Any]):
+    """A module or optimizer hook of one controller; copies and pickles become :class:`InertHook`.
 
-    __slots__ = ("_fn",)
+    ``ControllerHook(fn)`` calls ``fn`` with the hook's arguments. It is a ``functools.partial``
+    with nothing bound, so that the call goes straight from C to ``fn``: a class with a
+    ``__call__`` adds a Python frame to every module hook of every forward (two or three a
+    submodule).
+    """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
+    __slots__ = ()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(*args, **kwargs)
+    def __new__(cls, fn: Callable[..., Any]) -> ControllerHook:
+        return super().__new__(cls, fn)
 
     def __copy__(self) -> ControllerHook:
         return self  # copy.copy(model) shares the hook dictionaries themselves anyway
@@ -50,7 +54,7 @@ class ControllerHook:
         return (InertHook, ())
 
     def __repr__(self) -> str:
-        return f"ControllerHook({getattr(self._fn, '__qualname__', self._fn)!r})"
+        return f"ControllerHook({getattr(self.func, '__qualname__', self.func)!r})"
 
 
 class InertHook:

@@ -105,10 +105,8 @@ class FsdpParameters:
     def __init__(self) -> None:
         self._states: list[Any] = []
         self._keys: set[int] = set()
-
-    @property
-    def active(self) -> bool:
-        return bool(self._states)
+        self.active = False
+        """Whether the model has FSDP states (an attribute: the pack hook reads it for every tensor)."""
 
     @property
     def keys(self) -> frozenset[int]:
@@ -118,6 +116,7 @@ class FsdpParameters:
         """Find the FSDP states and hook each FSDP module's forward; returns the handles."""
         states = _fsdp_states(model)
         self._states = [s for _, s in states]
+        self.active = bool(self._states)
         self.refresh()
         ref = weakref.ref(self)
         # A ControllerHook, so copies and pickles of the model leave it behind
@@ -143,6 +142,7 @@ class FsdpParameters:
 
     def detach(self) -> None:
         self._states = []
+        self.active = False
         self._keys = set()
 
 

@@ -126,16 +126,24 @@ class ModuleTracker:
 
     def __init__(self) -> None:
         self._stack: list[str] = []
+        self._depth = 0
+        self.current = ROOT
+        """The innermost running module's name, else :data:`MODEL` inside the model's forward, else
+        :data:`ROOT`: kept up to date by the hooks, since the pack hook reads it for every tensor."""
         self.module_calls = 0
-        self.model_depth = 0
         self.on_exit: Callable[[Any], None] | None = None
         """Called with each submodule's output (the packer matches region codes there)."""
 
     @property
-    def current(self) -> str:
-        if self._stack:
-            return self._stack[-1]
-        return MODEL if self.model_depth > 0 else ROOT
+    def model_depth(self) -> int:
+        """How many forwards of the model itself are running (the controller counts them)."""
+        return self._depth
+
+    @model_depth.setter
+    def model_depth(self, depth: int) -> None:
+        self._depth = depth
+        if not self._stack:
+            self.current = MODEL if depth > 0 else ROOT
 
     def attach(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Register the hooks on every submodule; returns their handles."""
@@ -150,25 +158,32 @@ class ModuleTracker:
 
     def reset(self) -> None:
         self._stack.clear()
-        self.model_depth = 0
+        self.model_depth = 0  # (sets current)
 
     def _pre_hook(self, name: str) -> Callable[..., None]:
+        stack = self._stack
+
         def hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            self._stack.append(name)
+            stack.append(name)
+            self.current = name
             self.module_calls += 1
 
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., None]:
+        stack = self._stack
+
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if torch.compiler.is_compiling():
                 return
-            if self._stack and self._stack[-1] == name:
-                self._stack.pop()
-            if self.on_exit is not None:
-                self.on_exit(output)
+            if stack and stack[-1] == name:
+                stack.pop()
+                self.current = stack[-1] if stack else MODEL if self._depth > 0 else ROOT
+            on_exit = self.on_exit
+            if on_exit is not None:
+                on_exit(output)
 
         return hook
 

@@ -927,9 +927,9 @@ class Packer:
         poll_checks()  # NOTE [ Exception lists without a wait ]
         if type(saved) is _Queued:
             if saved.saved is None:  # read while the queue is packed, before its turn: exact
-                return cast(torch.Tensor, saved.tensor)
+                return saved.tensor  # type: ignore[return-value]  # (held until its record is made)
             saved = saved.saved
-        out = self._unpack(cast(_Handle, saved))
+        out = self._unpack(saved)  # type: ignore[arg-type]  # (a queued tensor's record, above)
         if type(saved) is not Saved:
             return out
         data = saved.data
@@ -1004,7 +1004,7 @@ class Packer:
         # NOTE [ Batched small records ]: the bytes of pending records are written before a lossy
         # decode (an exact record, a node's field read in the forward too, needs nothing encoded);
         # an encode that failed, or a member changed in place, leaves the record exact
-        if self._batches and not isinstance(data, torch.Tensor):
+        if not isinstance(data, torch.Tensor) and self._batches:
             self._encode_batches()
             data = saved.data
         source = saved.source() if saved.source is not None else None
