@@ -92,7 +92,10 @@ class Packed:
     @property
     def nbytes(self) -> int:
         """Exact bytes held by the record's buffers (payload plus metadata)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        total = 0
+        for b in self.buffers.values():
+            total += b.numel() * b.element_size()
+        return total
 
     @property
     def raw_nbytes(self) -> int:

@@ -168,6 +168,8 @@ class Controller:
         self._allocation: dict[str, Any] | None = None
         self._attribution_lost = False
         self._small_hinted = False  # NOTE [ Small tensors kept as they are ]
+        self._default_choice: dict[bool, tuple[float, float | None]] = {}
+        """:meth:`_choice_for` of a layer without an allocation, with and without a budget."""
         self._probing = True
         self._calls_at_open = 0
         self._budget_changed = False
@@ -386,8 +388,15 @@ class Controller:
     def _choice_for(self, layer: str) -> tuple[float, float | None]:
         state = self._layers.get(layer)
         if state is None or state.bits is None:
-            adaptive = policy.resolve_objective(self.config, self._budget_spec is not None) is Objective.BYTES
-            return float(policy.default_bits(self.config, adaptive)), None
+            # the same for every such layer while the budget is set or not (the config is frozen):
+            # worked out once each way, since the pack hook asks for every tensor it quantises
+            budgeted = self._budget_spec is not None
+            choice = self._default_choice.get(budgeted)
+            if choice is None:
+                adaptive = policy.resolve_objective(self.config, budgeted) is Objective.BYTES
+                bits = float(policy.default_bits(self.config, adaptive))
+                choice = self._default_choice[budgeted] = (bits, None)
+            return choice
         return state.bits, state.error_bound
 
     # -- the step boundary -----------------------------------------------------------
@@ -453,16 +462,20 @@ class Controller:
         scalars = read_scalars(steps)  # NOTE [ One read-back per step ]
         if trained:
             cal.observe_training(scalars.pop()[3])
+        decay = self.config.ema_decay
         for (name, rec), row in zip(records.items(), scalars, strict=True):
-            state = self._layers.setdefault(name, LayerState(name=name))
-            state.update(rec, batch=batch, decay=self.config.ema_decay, scalars=row)
-        seen = [s for s in self._layers.values() if s.raw_bytes or s.other_bytes]
-        self._totals = {
-            "raw_bytes": sum(s.raw_bytes for s in seen),
-            "packed_bytes": sum(s.packed_bytes for s in seen),
-            "other_bytes": sum(s.other_bytes for s in seen),
-            "batch": batch,
-        }
+            layer = self._layers.get(name)
+            if layer is None:
+                layer = self._layers[name] = LayerState(name=name)
+            layer.update(rec, batch=batch, decay=decay, scalars=row)
+        raw_bytes = packed_bytes = other_bytes = 0
+        for s in self._layers.values():
+            if s.raw_bytes or s.other_bytes:
+                raw_bytes += s.raw_bytes
+                packed_bytes += s.packed_bytes
+                other_bytes += s.other_bytes
+        self._totals = {"raw_bytes": raw_bytes, "packed_bytes": packed_bytes, "other_bytes": other_bytes,
+                        "batch": batch}
         saved = self._totals["packed_bytes"] + self._totals["other_bytes"]
         ranks = self._ranks
         self._budget_changed |= self._apply_pending() if ranks is None else ranks.apply_budget(self)
@@ -899,8 +912,10 @@ class Controller:
     def _hint_small_tensors(self, records: Mapping[str, Any]) -> None:
         """NOTE [ Small tensors kept as they are ]: say once when tensors under ``min_numel``
         values hold most of a step's activation bytes."""
-        small = sum(r.small_bytes for r in records.values())
-        raw = sum(r.raw_bytes for r in records.values())
+        small = raw = 0
+        for r in records.values():
+            small += r.small_bytes
+            raw += r.raw_bytes
         if small < _SMALL_HINT_BYTES or 2 * small < raw:
             return
         self._small_hinted = True

@@ -453,9 +453,11 @@ class FloorTracker:
                     found += self._inputs_of(matmul[0], list(matmul[1]), False)
             if op is None and name not in HOLDING and self._recent and not rms:
                 self._release(edges, keyed)  # NOTE [ Releasing inputs early ] in regions.py
-            step = 0 if name in _VIEWS else 1
-            if depth + step <= _WALK_DEPTH:
-                frontier.extend((e[0], depth + step) for e in edges if e[0] is not None)
+            below = depth + (0 if name in _VIEWS else 1)
+            if below <= _WALK_DEPTH:
+                for e in edges:
+                    if e[0] is not None:
+                        frontier.append((e[0], below))
         if found:
             self.walks.found()
         return found

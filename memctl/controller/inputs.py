@@ -52,20 +52,21 @@ class ModelInputs:
     """Storages of the tensors the model's current top-level forward was called with."""
 
     def __init__(self) -> None:
-        self._ptrs: set[int] = set()
+        self.ptrs: set[int] = set()
+        """Their storages' data pointers (the pack hook tests membership before :meth:`holds`)."""
 
     def set(self, values: Iterable[Any]) -> None:
         """The forward's arguments (tensors, and tensors inside tuples, lists and dicts)."""
-        self._ptrs = {t.untyped_storage().data_ptr() for t in _tensors(values, 3)
+        self.ptrs = {t.untyped_storage().data_ptr() for t in _tensors(values, 3)
                       if not t.requires_grad and t.layout == torch.strided}
-        self._ptrs.discard(0)
+        self.ptrs.discard(0)
 
     def clear(self) -> None:
-        self._ptrs = set()
+        self.ptrs = set()
 
     def holds(self, t: torch.Tensor, ptr: int) -> bool:
         """``t`` (whose storage is at ``ptr``) is one of the forward's own inputs (NOTE [ Model inputs ])."""
-        return bool(self._ptrs) and ptr in self._ptrs and t.grad_fn is None and not t.requires_grad
+        return ptr in self.ptrs and t.grad_fn is None and not t.requires_grad
 
 
 def _tensors(values: Iterable[Any], depth: int) -> list[torch.Tensor]:

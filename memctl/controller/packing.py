@@ -60,8 +60,14 @@ detaches anyway), counts a record's bytes from its buffers' ``nbytes``, and keep
 weak reference per record (shared by the de-duplication table and the micro-batch) and
 no per-record tuples: each object a record keeps alive through the forward is tracked
 by Python's garbage collector, survives its young-generation passes and makes the
-full collections (~0.1 s each with torch imported) come sooner. Where the rest of the
-time goes, per tensor and per step: ``benchmarks/overhead.py``.
+full collections (~0.1 s each with torch imported) come sooner. What every tensor reads is
+kept where one attribute read finds it (the running module's name, FSDP's flag, the model
+inputs' storages, a partition's bit planes), the codec checks its arguments without a call
+apiece, and torch calls the module hooks straight from C (``ControllerHook`` in copysafe.py).
+Between the model's kernels, which evict the caches, a call costs far more than in a loop:
+a no-op Python call timed in place inside the quantize encode of the MLP of
+benchmarks/training.py took ~3.6 µs (2026-11-28), against ~0.05 µs in a loop. Where the rest
+of the time goes, per tensor and per step: ``benchmarks/overhead.py``.
 
 NOTE [ Packs queued in the forward ]
 Inside a module's forward, a tensor of fewer than :data:`~memctl.controller.batches.BATCH_BELOW`
@@ -219,7 +225,7 @@ from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.norm_outputs import NormInputs
 from memctl.controller.norm_reads import NORM_NODES, NormReads
 from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
-from memctl.controller.regions import RELU, Interval, Partition, RegionCode, RegionTracker, result_partition
+from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.squares import SQUARE_READERS, square_read
 from memctl.controller.stats import LayerStep
@@ -649,7 +655,8 @@ class Packer:
             self.fsdp_passed += 1
             return t
         ptr = (t if type(t) is torch.Tensor else local_tensor(t)).untyped_storage().data_ptr()
-        if ptr in self._param_ptrs or self.inputs.holds(t, ptr):  # NOTE [ Model inputs ] in inputs.py
+        inputs = self.inputs  # NOTE [ Model inputs ] in inputs.py
+        if ptr in self._param_ptrs or (ptr in inputs.ptrs and inputs.holds(t, ptr)):
             # a parameter, a view of one, or a model input: no op above it consumed an input
             # the region tracker waits for (and its grad_fn, not read, gets no Python object
             # for the collector to track all step)
@@ -1014,7 +1021,8 @@ class Packer:
             return data
         if isinstance(data, LogProbs):  # NOTE [ Log-probabilities ]
             return decode_log_probs(data, self._codec("quantize"), saved.shape, saved.dtype)
-        unclamped = _unclamped_code(saved, data)  # NOTE [ Unbiased reads of a ReLU result ]
+        # a ReLU result read unclamped (NOTE [ Unbiased reads of a ReLU result ])
+        unclamped = _unclamped_code(saved, data) if saved.regions else None
         shared = self._shared.take(saved)  # NOTE [ One decode for several readers ]
         if shared is not None:
             return shared if unclamped is None else self._for_reader(shared, unclamped, saved.dtype)
@@ -1717,7 +1725,7 @@ class Packer:
             p = self._codec("errorbound").encode(t, error_bound=error_bound)
         else:
             quantize: Any = self._quantizer(group)
-            if part is not None and _positive_plane(part) and hasattr(quantize, "encode_with_positive"):
+            if part is not None and part.positive_plane and hasattr(quantize, "encode_with_positive"):
                 # NOTE [ Positive mask in encode ]: the ReLU code in the same pass as the values
                 p, plane = quantize.encode_with_positive(t, bits=int(bits), seed=seed)
                 region = RegionCode(part, (plane,))
@@ -2386,14 +2394,6 @@ def _alive(ref: weakref.ref[Saved]) -> bool:
     """Whether a de-duplication entry may still be reused (NOTE [ De-duplication ])."""
     saved = ref()
     return saved is not None and saved.source is not None and saved.source() is not None
-
-
-def _positive_plane(part: Partition) -> bool:
-    """Whether ``part``'s code is one bit plane, ``x > 0`` (ReLU's, leaky_relu's, ...)."""
-    return part.bits == 1 and [iv for iv in part.intervals if iv.code == 1] == [_POSITIVE]
-
-
-_POSITIVE = Interval(0.0, float("inf"), True, False, 1)
 
 
 def _unclamped_code(saved: Saved, data: object) -> RegionCode | None:

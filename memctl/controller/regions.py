@@ -86,6 +86,7 @@ an unmatched input), never a wrong one.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -164,10 +165,17 @@ class Partition:
     op: str
     intervals: tuple[Interval, ...]
 
-    @property
+    @functools.cached_property
     def bits(self) -> int:
+        """Bit planes of the code (computed once: read for every record that has one)."""
         codes = 1 + max(iv.code for iv in self.intervals)
         return 1 if codes <= 2 else 2
+
+    @functools.cached_property
+    def positive_plane(self) -> bool:
+        """Whether the code is one bit plane, ``x > 0`` (ReLU's, leaky_relu's, ...)."""
+        positive = Interval(0.0, _INF, True, False, 1)
+        return self.bits == 1 and [iv for iv in self.intervals if iv.code == 1] == [positive]
 
     def nbytes(self, numel: int) -> int:
         """Bytes of the bit-packed code of ``numel`` values."""

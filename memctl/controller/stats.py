@@ -196,7 +196,7 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
 
 def _reduce(values: list[float], reduce: Callable[[list[float]], float]) -> float:
     """``reduce(values)``, NaN when any value is NaN, as torch's reductions give it."""
-    return math.nan if any(v != v for v in values) else float(reduce(values))
+    return math.nan if any(map(math.isnan, values)) else float(reduce(values))
 
 
 def read_back(lists: list[list[torch.Tensor | float]]) -> list[list[float]]:

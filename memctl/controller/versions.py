@@ -40,8 +40,10 @@ class SavedRef:
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:
-        check_version(self.tensor, self.version)
-        return self.tensor
+        tensor = self.tensor
+        if tensor._version != self.version:  # (check_version raises; tested here first: every parameter)
+            check_version(tensor, self.version)
+        return tensor
 
 
 def check_version(tensor: torch.Tensor, saved_version: int, node: tuple[str, int] | None = None) -> None:

@@ -207,6 +207,8 @@ class QuantizeCodec:
         self.config = QuantizeConfig(group_size=group_size, bits=bits)
         self._cuda = _backend.CudaFallback(_NAME)
         self._empty: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._groups = {b: group_at(b, self.config.group_size) for b in BITS}
+        """The values per group of a record at each width (:func:`group_at`)."""
 
     def __repr__(self) -> str:
         return f"QuantizeCodec(group_size={self.config.group_size}, bits={self.config.bits})"
@@ -227,10 +229,7 @@ class QuantizeCodec:
                 f"'quantize' takes bits, not error_bound={error_bound!r}; "
                 "use codecs.get('errorbound') for an absolute error bound"
             )
-        b = self.config.bits if bits is None else _check_bits(bits)
-        s = _rng.check_seed(seed)
-        g = group_at(b, self.config.group_size)
-        chosen = _backend.resolve_impl(impl, t.device)
+        chosen, b, g, s = self._encode_args(t, bits, seed, impl)
         flat = _flat_float32(t)
         payload, meta, nonfinite = self._run_encode(chosen, flat, b, g, s)
         return Packed(
@@ -241,6 +240,28 @@ class QuantizeCodec:
             buffers=self._buffers(t, flat, payload, meta, nonfinite),
             params={"bits": b, "group_size": g, "seed": s},
         )
+
+    def _encode_args(self, t: torch.Tensor, bits: int | None, seed: int,
+                     impl: Impl | str | None) -> tuple[Impl, int, int, int]:
+        """``(implementation, bits, values per group, seed)`` of an encode of ``t``, validated.
+
+        The common case (``bits`` one of :data:`BITS` or None, a seed in range, ``impl`` None)
+        is checked here without a call per argument: this runs for every tensor the controller
+        quantises (NOTE [ Pack path cost ] in ``memctl/controller/packing.py``); anything else
+        goes through the checks that raise.
+        """
+        if bits is None:
+            b = self.config.bits
+        elif type(bits) is int and bits in self._groups:
+            b = bits
+        else:
+            b = _check_bits(bits)
+        s = seed if type(seed) is int and 0 <= seed < _rng.SEED_LIMIT else _rng.check_seed(seed)
+        if impl is None:
+            chosen = Impl.CUDA if t.device.type == "cuda" else Impl.CPU
+        else:
+            chosen = _backend.resolve_impl(impl, t.device)
+        return chosen, b, self._groups[b], s
 
     def _buffers(self, t: torch.Tensor, flat: torch.Tensor, payload: torch.Tensor, meta: torch.Tensor,
                  nonfinite: int | torch.Tensor) -> Mapping[str, torch.Tensor]:
@@ -254,7 +275,7 @@ class QuantizeCodec:
         if nonfinite:
             exc_index, exc_value = _exceptions(flat)
         else:
-            exc_index, exc_value = self._no_exceptions(payload.device)
+            exc_index, exc_value = self._empty.get(payload.device) or self._no_exceptions(payload.device)
         return {"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value}
 
     def encode_with_positive(
@@ -263,15 +284,14 @@ class QuantizeCodec:
         """``(encode(t, ...), lossless.encode(t > 0))`` byte for byte, in one pass over ``t`` by the
         CPU and CUDA kernels (NOTE [ Positive mask in encode ])."""
         _backend.require_tensor(t, _NAME)
-        chosen = _backend.resolve_impl(impl, t.device)
-        if chosen is Impl.REFERENCE or t.dtype not in FLOAT_DTYPES:
+        if impl is not None:
+            impl = _backend.resolve_impl(impl, t.device)
+        if impl is Impl.REFERENCE or t.dtype not in FLOAT_DTYPES:
             from memctl.codecs.lossless.codec import LosslessCodec
 
-            record = self.encode(t, bits=bits, seed=seed, impl=chosen)
-            return record, LosslessCodec().encode(t > 0, impl=chosen)
-        b = self.config.bits if bits is None else _check_bits(bits)
-        s = _rng.check_seed(seed)
-        g = group_at(b, self.config.group_size)
+            record = self.encode(t, bits=bits, seed=seed, impl=impl)
+            return record, LosslessCodec().encode(t > 0, impl=impl)
+        chosen, b, g, s = self._encode_args(t, bits, seed, impl)
         flat = _flat_float32(t)
         positive = torch.empty(-(-flat.numel() // 8), dtype=torch.uint8, device=flat.device)
         nonfinite: int | torch.Tensor
@@ -390,10 +410,16 @@ class QuantizeCodec:
         bits, group = _record_params(p)
         payload, meta = p.buffers["payload"], p.buffers["meta"]
         n = p.numel
-        chosen = _backend.resolve_impl(impl, p.device)
+        if impl is None:  # (resolve_impl's choice, without its call: every decode)
+            chosen = Impl.CUDA if p.device.type == "cuda" else Impl.CPU
+        else:
+            chosen = _backend.resolve_impl(impl, p.device)
         packed_mask = None if mask is None else _mask_bits(mask, p)
         floor = mask_floor(p.dtype)
-        flat = self._run_decode(chosen, payload, meta, bits, group, n, packed_mask, floor)
+        if chosen is Impl.CPU:
+            flat = _quantize_kernels.decode_cpu(payload, meta, bits, group, n, packed_mask, floor)
+        else:
+            flat = self._run_decode(chosen, payload, meta, bits, group, n, packed_mask, floor)
         out = flat if flat.dtype is p.dtype else flat.to(p.dtype)
         exc_index = p.buffers["exc_index"]
         if exc_index.numel():
@@ -487,6 +513,10 @@ def _record_params(p: Any) -> tuple[int, int]:
     missing = _BUFFERS.difference(p.buffers)
     if missing:
         raise CodecError(f"quantize record lacks buffers {sorted(missing)}; it was not written by encode")
+    bits, group = p.params.get("bits"), p.params.get("group_size")
+    if type(bits) is int and bits in BITS and type(group) is int and 0 < group <= MAX_GROUP_SIZE \
+            and not group % 8:  # what the checks below accept, without their calls (every decode)
+        return bits, group
     try:
         bits = _check_bits(p.params.get("bits"))
         group = _check_group_size(p.params.get("group_size"))
