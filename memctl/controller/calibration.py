@@ -197,6 +197,17 @@ drift (its closed form borrows the median output gradient) nor the outlier rules
   unmeasured layers (which the uniform replays' fit covers, NOTE [ Unmeasured layers ]), the
   rest after those, before the stalest. A second measurement, or a share back within 4x,
   clears the doubt.
+- *A measurement whose closed form moved far against the gradient's scale is doubtful too*:
+  its closed form over :meth:`Calibration.unit`, now against the same ratio at the
+  measurement, beyond 16x either way. ConvNeXt's blocks open together (every layer scale
+  grows from 1e-6), so no layer's share among the layers moves, but each closed form grows
+  against ‖g‖² (``stages.0.blocks.1.conv_dw``: 2.6e5x in 20 steps) as what the layer adds
+  does. The bar is higher than the share's 4x because closed forms trail a falling gradient
+  (NOTE [ Gradient scale between probes ]): after ResNet-18's fall every layer moves against
+  the unit, and the order by score then re-measures the most moved first. ``varcheck``
+  audit (20 steps, CPU), within 2x before -> after this rule: ConvNeXt-atto 6/48 -> 12/48
+  (worst 685x -> 28x), RegNetY 5/48 -> 16/48, ResNet-18 47/48 -> 46/48, GPT-2 14/16 -> 13/16,
+  ViT-Tiny 4/48 -> 5/48, MobileNetV3 0/48 -> 0/48.
 - *Two probes in a row far above a window start it again*: when a layer's last two values
   both exceed ``SUSPECT`` (8) times the robust mean of its draws before them, those earlier
   draws describe another model and are dropped. One probe alone stays an outlier, outvoted
@@ -224,6 +235,8 @@ _WINDOW = 5
 _DOUBT_LOW = 100.0
 """A single measurement this far below its width's median factor over the closed form is doubtful."""
 _DOUBT_PEERS = 5
+_LEVEL_MOVED = 16.0
+"""A layer whose closed form over the unit moved this far since it was measured is doubtful."""
 """Measured layers a width needs before its median factor is trusted."""
 
 
@@ -550,7 +563,8 @@ class Calibration:
     def doubtful(self, layers: Iterable[LayerState], fallback_g2: float | None) -> list[tuple[str, int]]:
         """Measured pairs to measure again before the stalest, most doubtful first (NOTE [ Doubtful
         measurements ]): the layer's closed-form share moved past what the drift may follow since
-        it was measured, or a single measurement sits far below its width's other layers."""
+        it was measured, its closed form moved far against the unit, or a single measurement
+        sits far below its width's other layers."""
         factors: dict[int, list[float]] = {}
         for mine in self.measured.values():
             for b, m in mine.items():
@@ -567,6 +581,10 @@ class Calibration:
                     if now > 0:
                         moved = abs(math.log(now / then)) if then > 0 else math.inf
                         score = max(score, moved - math.log(_DRIFT_CLIP ** 2))
+                if fallback_g2 is not None and fallback_g2 > 0 and m.closed_form > 0:
+                    level = closed_form(s, fallback_g2, b) / self.unit()
+                    if level > 0:
+                        score = max(score, abs(math.log(level / m.closed_form)) - math.log(_LEVEL_MOVED))
                 if m.count == 1 and b in medians:
                     factor = math.log(m.value / m.closed_form) if m.closed_form > 0 and m.value > 0 \
                         else -math.inf if m.closed_form > 0 else math.nan

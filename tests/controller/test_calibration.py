@@ -377,3 +377,19 @@ def test_unmeasured_layers_are_measured_by_size_and_by_loudness_in_turn() -> Non
     assert order == ["big0", "loud0", "big1", "loud1", "big2", "loud2"]
     # without the gradient statistics' median, by size alone
     assert [n for n, b in cal.schedule([*loud, *big], 100) if b == 2][:3] == ["big0", "big1", "big2"]
+
+
+def test_a_closed_form_that_grew_against_the_unit_makes_its_measurement_doubtful() -> None:
+    """NOTE [ Doubtful measurements ]: blocks that open together (ConvNeXt's layer scales) move
+    no layer's share among the layers, but every closed form grows against the gradient's
+    scale, and so does what the layers add: beyond 16x, measure again."""
+    cal = Calibration(ControllerConfig())
+    cal.record_reference(1.0, 0.5, median_grad_sq=1.0)
+    a, b = _layer("a", 1.0), _layer("b", 1.0)
+    for s in (a, b):
+        cal.record(s.name, 2, closed_form(s, 1.0, 2), closed_form(s, 1.0, 2), step=0)
+    assert cal.doubtful([a, b], 1.0) == []
+    a.ema_grad_sq = b.ema_grad_sq = 10.0  # both grew 10x, as did the median: shares as they were
+    assert cal.doubtful([a, b], 10.0) == []  # 10x against the unit: within 16x
+    a.ema_grad_sq = b.ema_grad_sq = 100.0
+    assert sorted(cal.doubtful([a, b], 100.0)) == [("a", 2), ("b", 2)]
