@@ -571,25 +571,23 @@ class Calibration:
                 if m.closed_form > 0 and m.value > 0:
                     factors.setdefault(b, []).append(math.log(m.value / m.closed_form))
         medians = {b: sorted(f)[len(f) // 2] for b, f in factors.items() if len(f) >= _DOUBT_PEERS}
+        g2 = fallback_g2 if fallback_g2 is not None and fallback_g2 > 0 else 0.0
+        unit = self.unit()
         scored: list[tuple[float, str, int]] = []
         for s in layers:
             for b, m in self.measured.get(s.name, {}).items():
                 score = 0.0
-                then = m.share
-                if then is not None and fallback_g2 is not None and fallback_g2 > 0:
-                    now = closed_form(s, fallback_g2, b) / fallback_g2
-                    if now > 0:
-                        moved = abs(math.log(now / then)) if then > 0 else math.inf
+                raw = closed_form(s, g2, b) if g2 > 0 else 0.0
+                if raw > 0:
+                    then = m.share  # the share among the layers, and the level against the unit
+                    if then is not None:
+                        moved = abs(math.log(raw / g2 / then)) if then > 0 else math.inf
                         score = max(score, moved - math.log(_DRIFT_CLIP ** 2))
-                if fallback_g2 is not None and fallback_g2 > 0 and m.closed_form > 0:
-                    level = closed_form(s, fallback_g2, b) / self.unit()
-                    if level > 0:
-                        score = max(score, abs(math.log(level / m.closed_form)) - math.log(_LEVEL_MOVED))
-                if m.count == 1 and b in medians:
-                    factor = math.log(m.value / m.closed_form) if m.closed_form > 0 and m.value > 0 \
-                        else -math.inf if m.closed_form > 0 else math.nan
-                    if not math.isnan(factor):
-                        score = max(score, medians[b] - factor - math.log(_DOUBT_LOW))
+                    if m.closed_form > 0:
+                        score = max(score, abs(math.log(raw / unit / m.closed_form)) - math.log(_LEVEL_MOVED))
+                if m.count == 1 and b in medians and m.closed_form > 0:  # far below its width's layers
+                    factor = math.log(m.value / m.closed_form) if m.value > 0 else -math.inf
+                    score = max(score, medians[b] - factor - math.log(_DOUBT_LOW))
                 if score > 0:
                     scored.append((-score, s.name, b))
         return [(name, b) for _, name, b in sorted(scored)]
