@@ -64,7 +64,7 @@ from memctl.controller.publication import Publication
 from memctl.controller.recurrent import RecurrentMode, attach_recurrent
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
-from memctl.controller.stats import LayerState, LayerStep, median_grad_sq, read_scalars
+from memctl.controller.stats import LayerState, LayerStep, ScalarRead, median_grad_sq, start_read
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -184,7 +184,8 @@ class Controller:
         self._server: ServerHandle | None = None
         self._monitor: Sampler | None = None
         self._snapshot: Mapping[str, Any] = MappingProxyType({})
-        self._publication = Publication(self._publish, self.config.allocation_interval)
+        self._publication = Publication(self._publish, self.config.allocation_interval,
+                                        self._settle_statistics)
         group = resolve_group(process_group) if self.config.sync_ranks else None
         self._ranks: RankSync | None = RankSync(group) if group is not None else None
         if self._ranks is not None and self._ranks.world_size < 2:
@@ -194,6 +195,8 @@ class Controller:
                                   walking=lambda: self._packer.walking)
         self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
         self._capture: Capture | None = None
+        self._unfolded: tuple[ScalarRead, dict[str, LayerStep], bool] | None = None
+        """The last boundary's statistics while read late (NOTE [ Statistics read a step late ])."""
         self._leaving = False
         self._leave_handle: Any = None
         self._await_output = False
@@ -258,6 +261,7 @@ class Controller:
         self._tracker.reset()
         self._packer.fsdp.detach()
         settle_checks()  # NOTE [ Exception lists without a wait ]: no input is held past the detach
+        self._settle_statistics()
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
@@ -436,6 +440,7 @@ class Controller:
 
     def _step_boundary(self) -> None:
         started = time.perf_counter()
+        self._settle_statistics()  # the last step's (NOTE [ Statistics read a step late ])
         self._scope.close()
         self._packer.collector.resume()
         self._train_s += time.perf_counter() - self._last_boundary
@@ -459,15 +464,17 @@ class Controller:
         trained = self._training_grad_sq() if cal.enabled and records and not self._packer.fsdp.active else []
         if trained:
             steps.append(LayerStep(grad_sq=list(trained)))
-        scalars = read_scalars(steps)  # NOTE [ One read-back per step ]
-        if trained:
-            cal.observe_training(scalars.pop()[3])
+        # NOTE [ One read-back per step ]; NOTE [ Statistics read a step late ]
+        read = start_read(steps, defer=self._ranks is None)
         decay = self.config.ema_decay
-        for (name, rec), row in zip(records.items(), scalars, strict=True):
+        for name, rec in records.items():
             layer = self._layers.get(name)
             if layer is None:
                 layer = self._layers[name] = LayerState(name=name)
-            layer.update(rec, batch=batch, decay=decay, scalars=row)
+            layer.update(rec, batch=batch, decay=decay, later=True)
+        self._unfolded = (read, records, bool(trained))
+        if read.done():
+            self._settle_statistics()
         raw_bytes = packed_bytes = other_bytes = 0
         for s in self._layers.values():
             if s.raw_bytes or s.other_bytes:
@@ -486,6 +493,8 @@ class Controller:
         solved = False
         due = self._budget_changed or self._allocation is None or guarded or (
             self._step % self.config.allocation_interval == 0)
+        if due or ranks is not None:
+            self._settle_statistics()
         if due:
             # Static memory only feeds the allocation: measured when it runs, not every step
             # (it walks every parameter, gradient and optimizer state tensor).
@@ -511,7 +520,25 @@ class Controller:
         self._probing = self._wants_gradients()
         self._packer.timings.observe_step(time.perf_counter() - started)
         self._publication.boundary()  # NOTE [ Lazy publication ]
+        if self._unfolded is not None:  # a read in the training thread folds them first
+            self._publication.mark_stale()
         self._last_boundary = time.perf_counter()
+
+    def _settle_statistics(self) -> None:
+        """Fold the statistics of the last boundary that were read late, waiting for their copy
+        if it has not arrived (NOTE [ Statistics read a step late ])."""
+        unfolded, self._unfolded = self._unfolded, None
+        if unfolded is None:
+            return
+        read, records, trained = unfolded
+        rows = read.result()
+        if trained:
+            self._calibration.observe_training(rows.pop()[3])
+        decay = self.config.ema_decay
+        for (name, rec), row in zip(records.items(), rows, strict=True):
+            layer = self._layers.get(name)
+            if layer is not None:  # None: a state loaded since replaced the layers
+                layer.fold(rec, row, decay=decay)
 
     def _training_grad_sq(self) -> list[torch.Tensor]:
         """‖g‖² of the gradient the optimizer just stepped with (its parameters' ``.grad``; the
@@ -550,6 +577,8 @@ class Controller:
         """Run a due calibration probe and the convergence guard; True if the guard raised bits."""
         capture, self._capture = self._capture, None
         self._await_output = False
+        if capture is not None or (self.config.guard and self._guard.loss_turning(self._step)):
+            self._settle_statistics()  # the probe and the guard use this step's statistics
         layers = [s for s in self._layers.values() if s.numels]
         fallback_g2 = median_grad_sq(layers)
         fired = self._guard_fired = False
@@ -833,6 +862,7 @@ class Controller:
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs: bits, statistics, budget and step."""
+        self._settle_statistics()
         return {
             "version": STATE_VERSION,
             "step": self._step,
@@ -883,6 +913,7 @@ class Controller:
 
     def _apply_state(self, checked: tuple[Any, Calibration, ConvergenceGuard]) -> None:
         valid, calibration, guard = checked
+        self._unfolded = None  # the loaded statistics replace the last step's
         self._step = valid.step
         self._budget_spec = valid.budget
         self._layers = valid.layers

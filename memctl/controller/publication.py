@@ -21,6 +21,11 @@ rebuilds a stale snapshot there and then, so it always sees the step just finish
 from any other thread never builds (the controller's state belongs to the training
 thread, and no reader may wait on the training step): it gets the last published
 snapshot and asks for a rebuild at the next boundary.
+
+On a GPU the statistics of a step are folded a step late (NOTE [ Statistics read a step
+late ] in ``stats.py``), so a snapshot built at the boundary shows the previous step's
+minima, maxima and sensitivities. A read in the training thread folds them first (``settle``)
+and rebuilds: ``stats()`` after ``optimizer.step()`` sees the step just finished, whole.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ _log = logging.getLogger("memctl.controller")
 class Publication:
     """Decides when ``publish`` runs (see NOTE [ Lazy publication ])."""
 
-    __slots__ = ("_interval", "_owner", "_publish", "_since", "_stale", "changed", "serving", "wanted")
+    __slots__ = ("_interval", "_owner", "_publish", "_settle", "_since", "_stale", "changed", "serving",
+                 "wanted")
 
-    def __init__(self, publish: Callable[[], None], interval: int) -> None:
+    def __init__(self, publish: Callable[[], None], interval: int,
+                 settle: Callable[[], None] = lambda: None) -> None:
         self._publish = publish
+        self._settle = settle
         self._interval = max(1, interval)
         self._owner = threading.get_ident()
         """The thread of the last step boundary (before the first: the controller's creator)."""
@@ -67,6 +75,11 @@ class Publication:
         else:
             self._stale = True
 
+    def mark_stale(self) -> None:
+        """The snapshot lacks what ``settle`` would fold in: the next read in the boundary's
+        thread rebuilds it."""
+        self._stale = True
+
     def refresh(self) -> None:
         """Before a read: rebuild a stale snapshot in the boundary's thread, else ask for one."""
         if not (self._stale or self.changed):
@@ -75,6 +88,7 @@ class Publication:
             self.wanted = True
             return
         try:
+            self._settle()
             self._publish()
         except Exception as exc:  # a read never fails on this: it gets the last good snapshot
             _log.error("memctl could not rebuild its snapshot (%s: %s); showing the last one",

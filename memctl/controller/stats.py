@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LayerState", "LayerStep", "median_grad_sq", "read_scalars"]
+__all__ = ["LayerState", "LayerStep", "ScalarRead", "median_grad_sq", "read_scalars", "start_read"]
 
 
 @dataclass
@@ -106,12 +106,15 @@ class LayerState:
     """``seen_steps`` when ``ema_grad_sq`` was last updated (NOTE [ Sparse gradient statistics ])."""
 
     def update(
-        self, step: LayerStep, *, batch: int, decay: float, scalars: tuple[float, ...] | None = None
+        self, step: LayerStep, *, batch: int, decay: float, scalars: tuple[float, ...] | None = None,
+        later: bool = False,
     ) -> None:
         """Fold one finished step into the layer's state.
 
         ``scalars``: ``step``'s row of :func:`read_scalars`, when the caller read every layer's
-        device scalars at once; otherwise they are read here.
+        device scalars at once; otherwise they are read here. ``later``: neither; the caller
+        folds the row with :meth:`fold` before the next update (NOTE [ Statistics read a step
+        late ]).
         """
         self.raw_bytes = step.raw_bytes
         self.packed_bytes = step.packed_bytes
@@ -125,7 +128,13 @@ class LayerState:
         self.seen_steps += 1
         total = sum(step.numels)
         self.used_bits = step.bit_values / total if total else None
-        vmin, vmax, range_sum, g2 = read_scalars([step])[0] if scalars is None else scalars
+        if not later:
+            self.fold(step, read_scalars([step])[0] if scalars is None else scalars, decay=decay)
+
+    def fold(self, step: LayerStep, scalars: tuple[float, ...], *, decay: float) -> None:
+        """Fold ``step``'s row of :func:`read_scalars` into the smoothed statistics: part of
+        :meth:`update`, or after it, before the next update (NOTE [ Statistics read a step late ])."""
+        vmin, vmax, range_sum, g2 = scalars
         if step.mins:
             self.vmin, self.vmax = vmin, vmax
         if step.range_terms:
@@ -161,23 +170,48 @@ def median_grad_sq(layers: list[LayerState]) -> float:
 
 
 def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, float]]:
-    """Each step's ``(min, max, Σ range terms, Σ ‖∇Y‖²)`` as floats (NaN where its list is empty).
+    """Each step's ``(min, max, Σ range terms, Σ ‖∇Y‖²)`` as floats (NaN where its list is empty):
+    :func:`start_read` and its result at once."""
+    return start_read(steps).result()
+
+
+_REDUCERS: tuple[Callable[[list[float]], float], ...] = (min, max, math.fsum, math.fsum)
+
+
+def start_read(steps: list[LayerStep], *, defer: bool = False) -> ScalarRead:
+    """Start reading each step's ``(min, max, Σ range terms, Σ ‖∇Y‖²)`` back; ``result()`` gives
+    the rows (NaN where a list is empty).
 
     NOTE [ One read-back per step ]
     The statistics are device scalars, several per layer. Reading each with ``float()`` waits
     for the device once per scalar: ~80 waits per step on a 20-layer CNN, each one draining
     the GPU's queue. Here every device scalar of every layer is stacked (one stack per dtype),
-    each device is read back once (one ``tolist``), and the lists are reduced on the host.
+    each device is read back once (one copy), and the lists are reduced on the host.
     Until 2026-11-27 each layer's four lists were first reduced on the device, four or five
     ops a list: on an H200 the CNN of benchmarks/training.py spent 117 of memctl's 742 ops a
     step there, each a launch of ~10 µs of CPU.
     A CPU value waits for nothing, and a torch reduction over a few scalars costs ~5 µs an
     op where Python's costs well under one: values on the CPU (or already floats) are read
     and reduced on the host, ~20 µs a layer less at every step boundary.
+
+    NOTE [ Statistics read a step late ]
+    Even one read-back a step waits for the GPU to finish the step's backward: the CPU then
+    starts the next step with the GPU's queue empty, and a step takes the CPU's time plus
+    part of the GPU's rather than the larger of the two (on an H200 the CNN of
+    benchmarks/training.py waited 6.3 ms a step there, 2026-11-28). With ``defer`` a CUDA
+    device's scalars are copied into pinned host memory behind an event instead, and
+    ``result()`` waits for that event: the controller folds a step's statistics at the next
+    step boundary, a step later, when the copy has long passed. It folds them at once where
+    they are used in the same boundary (a calibration probe, the convergence guard, an
+    allocation, any boundary under a process group), and before a read in the training
+    thread (``stats()``, ``state_dict()``, ``detach()``); a snapshot published at the
+    boundary itself shows the previous step's minima, maxima and sensitivities (NOTE [ Lazy
+    publication ]). Nothing else reads them, so the run is the same to the bit as with the
+    read at once (``test_statistics_folded_a_step_late_change_nothing``). On the CPU the
+    values are read at once: there is no queue to drain.
     """
     rows: list[list[float]] = [[math.nan] * 4 for _ in steps]
     by_device: dict[torch.device, list[tuple[int, int, list[torch.Tensor | float]]]] = {}
-    reducers = (min, max, math.fsum, math.fsum)
     for i, step in enumerate(steps):
         for column, values in enumerate((step.mins, step.maxs, step.range_terms, step.grad_sq)):
             if not values:
@@ -187,11 +221,94 @@ def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, floa
                 device = next(v.device for v in values if isinstance(v, torch.Tensor))
                 by_device.setdefault(device, []).append((i, column, values))
                 continue
-            rows[i][column] = _reduce(host, reducers[column])
-    for entries in by_device.values():
-        for (i, column, _), host in zip(entries, read_back([e[2] for e in entries]), strict=True):
-            rows[i][column] = _reduce(host, reducers[column])
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
+            rows[i][column] = _reduce(host, _REDUCERS[column])
+    reads = [(entries, _Copy([e[2] for e in entries], defer and device.type == "cuda"))
+             for device, entries in by_device.items()]
+    return ScalarRead(rows, reads)
+
+
+class ScalarRead:
+    """Rows of :func:`start_read`, their device part possibly still on its way to the host."""
+
+    __slots__ = ("_reads", "_rows")
+
+    def __init__(self, rows: list[list[float]],
+                 reads: list[tuple[list[tuple[int, int, list[torch.Tensor | float]]], _Copy]]) -> None:
+        self._rows = rows
+        self._reads = reads
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would wait for nothing."""
+        return all(copy.done() for _, copy in self._reads)
+
+    def result(self) -> list[tuple[float, float, float, float]]:
+        """The rows, waiting for the device copies that have not arrived."""
+        rows = self._rows
+        for entries, copy in self._reads:
+            for (i, column, _), host in zip(entries, copy.lists(), strict=True):
+                rows[i][column] = _reduce(host, _REDUCERS[column])
+        self._reads = []
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+class _Copy:
+    """``lists`` of floats and one-value tensors of one device, on their way to the host as one
+    float64 vector (NOTE [ One read-back per step ]): the tensors stacked by dtype. ``defer``
+    (a CUDA device): copied into pinned memory behind an event (NOTE [ Statistics read a step
+    late ]); otherwise read back here."""
+
+    __slots__ = ("_event", "_host", "_lists", "_order")
+
+    def __init__(self, lists: list[list[torch.Tensor | float]], defer: bool) -> None:
+        self._lists = lists
+        flat = [v for values in lists for v in values if isinstance(v, torch.Tensor)]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for j, t in enumerate(flat):
+            by_dtype.setdefault(t.dtype, []).append(j)
+        parts: list[torch.Tensor] = []
+        self._order: list[int] = []
+        for dtype, index in by_dtype.items():
+            stacked = torch.stack([flat[j] if flat[j].dim() == 0 else flat[j].reshape(()) for j in index])
+            parts.append(stacked if dtype is torch.float64 else stacked.double())
+            self._order.extend(index)
+        self._event: Any = None
+        self._host: torch.Tensor | list[float]
+        if not parts:
+            self._host = []
+            return
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if not defer:
+            self._host = joined.tolist()
+            return
+        host = torch.empty(joined.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(joined, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(joined.device))
+        self._host = host
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def lists(self) -> list[list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        read = self._host if isinstance(self._host, list) else self._host.tolist()
+        by_place = [0.0] * len(read)
+        for j, value in zip(self._order, read, strict=True):
+            by_place[j] = value
+        out: list[list[float]] = []
+        k = 0
+        for values in self._lists:
+            row = []
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    row.append(by_place[k])
+                    k += 1
+                else:
+                    row.append(float(v))
+            out.append(row)
+        return out
 
 
 def _reduce(values: list[float], reduce: Callable[[list[float]], float]) -> float:
@@ -202,32 +319,7 @@ def _reduce(values: list[float], reduce: Callable[[list[float]], float]) -> floa
 def read_back(lists: list[list[torch.Tensor | float]]) -> list[list[float]]:
     """``lists`` of floats and one-value tensors of one device as floats, read back with one
     copy (NOTE [ One read-back per step ]): the tensors stacked by dtype, as float64."""
-    flat = [v for values in lists for v in values if isinstance(v, torch.Tensor)]
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for j, t in enumerate(flat):
-        by_dtype.setdefault(t.dtype, []).append(j)
-    parts: list[torch.Tensor] = []
-    order: list[int] = []
-    for dtype, index in by_dtype.items():
-        stacked = torch.stack([flat[j] if flat[j].dim() == 0 else flat[j].reshape(()) for j in index])
-        parts.append(stacked if dtype is torch.float64 else stacked.double())
-        order.extend(index)
-    read = [] if not parts else (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-    by_place = [0.0] * len(flat)
-    for j, value in zip(order, read, strict=True):
-        by_place[j] = value
-    out: list[list[float]] = []
-    k = 0
-    for values in lists:
-        row = []
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                row.append(by_place[k])
-                k += 1
-            else:
-                row.append(float(v))
-        out.append(row)
-    return out
+    return _Copy(lists, defer=False).lists()
 
 
 def _on_host(values: list[torch.Tensor | float]) -> list[float] | None:

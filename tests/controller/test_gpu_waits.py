@@ -1,5 +1,7 @@
 """Real-GPU tier: a training forward with memctl attached does not wait for the GPU, and holds
-no input for its exception check into the backward (NOTE [ Exception lists without a wait ]).
+no input for its exception check into the backward (NOTE [ Exception lists without a wait ]);
+a step boundary that uses no statistics does not wait either (NOTE [ Statistics read a step
+late ]).
 
 Skipped, with the reason, without a CUDA device.
 """
@@ -64,4 +66,44 @@ def test_the_forward_waits_for_the_gpu_only_to_settle_its_checks() -> None:
     assert waiting == 0  # settled at the forward's end
     assert _pending.waiting() == 0  # the loss's input, saved after the forward: settled at its pack
     loss.backward()
+    ctl.detach()
+
+
+def test_a_boundary_that_uses_no_statistics_reads_them_a_step_late() -> None:
+    """At a step that is no allocation, probe or guard step, ``opt.step()`` (the boundary)
+    makes no synchronising call in memctl's frames; the statistics stay unfolded until a read
+    in the training thread, which folds and shows them (that folding late changes nothing is
+    ``test_statistics_folded_a_step_late_change_nothing``, on the CPU)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    x = torch.randn(64, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (64,), device="cuda")
+    for _ in range(3):  # steps 0-2; step 3 allocates nothing and probes nothing
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    sites: list[str] = []
+
+    def seen(message: object, *args: object, **kwargs: object) -> None:
+        if "synchroniz" in str(message):
+            inner = [f for f in traceback.extract_stack() if "/memctl/" in f.filename]
+            if inner:
+                sites.append(f"{inner[-1].filename}:{inner[-1].lineno}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen  # type: ignore[assignment]
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert sites == []
+    assert ctl._unfolded is not None
+    late = {la["name"]: (la["min"], la["max"]) for la in ctl.stats()["layers"]}
+    assert ctl._unfolded is None
+    assert len(late) >= 4 and all(lo is not None and hi is not None for lo, hi in late.values())
+    assert all(lo <= hi for lo, hi in late.values())
     ctl.detach()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
 import memctl
 from memctl.controller import stats
+from memctl.controller.calibration import Calibration
 from memctl.controller.stats import LayerState, LayerStep, read_scalars
 from tests.controller.models import CNN
 
@@ -112,13 +114,13 @@ def test_gradient_statistics_decay_per_step_not_per_reading() -> None:
 def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """NOTE [ One read-back per step ]: the controller folds every layer with one call."""
     calls: list[int] = []
-    real = stats.read_scalars
+    real = stats.start_read
 
-    def counting(steps: list[LayerStep]) -> list[tuple[float, float, float, float]]:
+    def counting(steps: list[LayerStep], *, defer: bool = False) -> stats.ScalarRead:
         calls.append(len(steps))
-        return real(steps)
+        return real(steps, defer=defer)
 
-    monkeypatch.setattr(memctl.controller.controller, "read_scalars", counting)
+    monkeypatch.setattr(memctl.controller.controller, "start_read", counting)
     model = CNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
@@ -160,3 +162,79 @@ def test_segment_ranges_match_each_layers_own_reduction(counts: list[int]) -> No
         span = part[:, 1] - part[:, 0]
         assert float(terms[j]) == pytest.approx(float((span * span).sum() * 256), rel=1e-12)
         assert float(mins[j]) == float(part[:, 0].min()) and float(maxs[j]) == float(part[:, 1].max())
+
+
+def _run_cnn(steps: int, late: bool, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> tuple[Any, ...]:
+    """``steps`` steps of the CNN; with ``late`` every read looks unfinished until it is waited
+    for, as a GPU's copy does while the GPU is still a step behind."""
+    if late:
+        monkeypatch.setattr(stats.ScalarRead, "done", lambda self: False)
+    # probes measure as many layers as their time budget allows: a fixed number here
+    monkeypatch.setattr(Calibration, "affords", lambda self, train_s: True)
+    monkeypatch.setattr(Calibration, "allowance", lambda self, train_s, fixed_replays, least=1: max(least, 3))
+    torch.manual_seed(0)
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, **kwargs)
+    seen: list[Any] = []
+    g = torch.Generator().manual_seed(1)
+    try:
+        for i in range(steps):
+            model(torch.randn(4, 1, 16, 16, generator=g)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i % 4 == 1:
+                layers = ctl.stats()["layers"]  # a read in the training thread folds first
+                seen.append([(la["name"], la["min"], la["max"], la["sensitivity"], la["bits"])
+                             for la in layers])
+        state = ctl.state_dict()
+    finally:
+        ctl.detach()
+        monkeypatch.undo()
+    params = [p.detach().clone() for p in model.parameters()]
+    return seen, state, params
+
+
+def _timeless(state: Any) -> Any:
+    """``state`` without its wall-clock figures (keys ending in ``_s`` or ``_ms``: solver and
+    replay times)."""
+    if isinstance(state, dict):
+        return {k: _timeless(v) for k, v in state.items() if not str(k).endswith(("_s", "_ms"))}
+    if isinstance(state, list | tuple):
+        return [_timeless(v) for v in state]
+    return state
+
+
+@pytest.mark.parametrize("kwargs", [{"bits": 2}, {}, {"budget": 200_000},
+                                    {"budget": 200_000, "calibration_fraction": 0.0}])
+def test_statistics_folded_a_step_late_change_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                      kwargs: dict[str, Any]) -> None:
+    """NOTE [ Statistics read a step late ]: with every read unfinished at its boundary, the
+    statistics fold at the next boundary, or at once where a probe, the guard, an allocation or
+    a read needs them. The run is the same to the bit: the same rows in ``stats()``, the same
+    state, the same parameters (so the same allocations)."""
+    now = _run_cnn(23, False, monkeypatch, **kwargs)
+    late = _run_cnn(23, True, monkeypatch, **kwargs)
+    assert now[0] == late[0]
+    assert _timeless(now[1]) == _timeless(late[1])
+    assert all(torch.equal(a, b) for a, b in zip(now[2], late[2], strict=True))
+
+
+def test_a_late_read_is_folded_at_the_next_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two boundaries the step's statistics wait unfolded (no read of the training
+    thread asked for them); the next boundary folds them before its own."""
+    monkeypatch.setattr(stats.ScalarRead, "done", lambda self: False)
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 1, 16, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert ctl._unfolded is not None  # step 2 is not due: nothing needed it
+        folded = {name: s.seen_steps for name, s in ctl._layers.items()}
+        assert ctl.stats()["layers"] and ctl._unfolded is None
+        assert all(ctl._layers[name].seen_steps == n for name, n in folded.items())
+    finally:
+        ctl.detach()
