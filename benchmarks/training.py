@@ -41,8 +41,14 @@ inside the optimizer step of a few steps, so the median leaves them out and the 
 carries them, with the number of probes that ran in the measured steps (``probes``, summed
 over the rounds). The first probe runs at step 0, in the warm-up; while layers are
 unmeasured the probes may take a quarter of the time trained, a twentieth afterwards, so
-only runs of many steps (``--steps 100``) show what a long run pays. Loss is the last
-step's. With ``--rounds N`` every configuration is timed in N processes, the methods in
+only runs of many steps (``--steps 100``) show what a long run pays. On a GPU the steps
+are timed as a training loop that does not wait for the GPU runs them (its own process: the
+batches on the device beforehand, no synchronisation or read-back inside the measured steps,
+an event on the stream at each step's start; a step's time is the period between two
+events on the GPU's timeline), and ``synced ms`` is the median step of the memory process,
+which waits for the GPU before and after each step and after each forward (each step alone,
+from an idle GPU: the CPU's time and the GPU's add up there). Loss is the last step's.
+With ``--rounds N`` every configuration is timed in N processes, the methods in
 turns (plain, memctl, ..., plain, memctl, ...), and the table gives the median of the N
 and their range: on a shared machine whose speed drifts over minutes, one process per
 method compared methods timed minutes apart. ``--threads N`` sets ``OMP_NUM_THREADS`` and
@@ -59,7 +65,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -312,6 +320,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     loss = float("nan")
     cuda = device.type == "cuda"
     probes = 0
+    if cuda and args.phase == "time":
+        result = _time_on_gpu(args, model, optimizer, controller, batch, gen, loss_fn)
+        result["state_bytes"] = _state_bytes(model, optimizer)
+        if controller is not None:
+            controller.detach()
+        return result
     for step in range(args.warmup + args.steps):
         if step == args.warmup and controller is not None:
             probes = -controller.stats()["calibration"]["probes"]
@@ -366,32 +380,72 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _time_on_gpu(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 controller: Any, batch: Callable[[torch.Generator], tuple[torch.Tensor, ...]],
+                 gen: torch.Generator, loss_fn: nn.Module) -> dict[str, Any]:
+    """Step times on a GPU as a training loop that does not wait for it runs: the batches on the
+    device before the first step, no synchronisation and no read-back inside the measured steps,
+    an event recorded on the stream as each step starts. The times between consecutive events
+    are the steps' periods on the GPU's timeline: with the CPU ahead they are the GPU's own
+    time, with the CPU behind they include the GPU's idle wait for it."""
+    device = torch.device(args.device)
+    data = [tuple(t.to(device) for t in batch(gen)) for _ in range(args.warmup + args.steps)]
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
+    probes = 0
+    out = torch.zeros(())
+    for step, (x, y) in enumerate(data):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            if controller is not None:
+                probes = -controller.stats()["calibration"]["probes"]
+        if step >= args.warmup:
+            marks[step - args.warmup].record()
+        out = loss_fn(model(x), y)
+        out.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    marks[-1].record()
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    result: dict[str, Any] = {
+        "model": args.model, "method": args.method, "step_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times), "held_bytes": 0, "peak_bytes": 0, "loss": float(out.detach()),
+    }
+    if controller is not None:
+        result["probes"] = probes + controller.stats()["calibration"]["probes"]
+    return result
+
+
 # -- the table (parent process) -----------------------------------------------------------------
 _MMAP_THRESHOLD = 4096
 """glibc's mmap threshold in the memory process: every buffer of a page or more is its own mapping."""
 
 
 def _spawn(args: argparse.Namespace, model: str, method: str, budget: int | None) -> dict[str, Any]:
-    """One configuration. On a CPU, two processes: RSS shows held memory only with
+    """One configuration, in two processes. On a CPU, RSS shows held memory only with
     ``MALLOC_MMAP_THRESHOLD_=4096`` (freed tensors leave RSS), but that setting turns every
     allocation of a page or more into an mmap with fresh page faults (at 64 KiB it already
     slowed the CNN's plain step 1.5x and memctl's 1.9x). So the step time comes from a
-    process with the allocator as users run it, the memory from one with the setting."""
+    process with the allocator as users run it, the memory from one with the setting. On a
+    GPU the memory process waits for the GPU around each forward to read the allocator's
+    figures; the timing process waits for nothing (:func:`_time_on_gpu`)."""
     timed = _run(args, model, method, budget, "time")
-    if args.device.startswith("cuda") or "error" in timed:
+    if "error" in timed:
         return timed
     held = _run(args, model, method, budget, "memory")
     if "error" in held:
         return held
     timed["held_bytes"], timed["state_bytes"] = held["held_bytes"], held["state_bytes"]
     timed["peak_bytes"] = held["peak_bytes"]
+    if args.device.startswith("cuda"):  # each step alone, the GPU drained before and after it
+        timed["synced_ms"] = held["step_ms"]
     return timed
 
 
 def _run(args: argparse.Namespace, model: str, method: str, budget: int | None, phase: str) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--method", method,
            "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--phase", "memory" if args.device.startswith("cuda") else phase, "--scale", str(args.scale)]
+           "--phase", phase, "--scale", str(args.scale)]
     if budget is not None:
         cmd += ["--budget-bytes", str(budget)]
     env = dict(os.environ)
@@ -450,8 +504,10 @@ def main() -> None:
           f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'default')} threads, "
           f"{args.rounds} round{'s' if args.rounds > 1 else ''}, load {os.getloadavg()[0]:.2f}")
     spread = args.rounds > 1
+    gpu_synced = args.device.startswith("cuda")
     print(f"{'model':<12} {'method':<14} {'step ms':>9} {'x plain':>8} {'mean ms':>9} {'x plain':>8} "
           f"{'probes':>6} {'held MiB':>9} {'less':>7} {'peak MiB':>9} {'less':>7} {'loss':>8}"
+          + (f" {'synced ms':>9} {'x plain':>8}" if gpu_synced else "")
           + (f" {'step ms, rounds':>17}" if spread else ""))
     for model in [m for m in args.models.split(",") if m]:
         results: dict[str, dict[str, Any]] = {}
@@ -494,10 +550,14 @@ def main() -> None:
             less = _less(plain if ok else None, r, "held_bytes")
             peak_less = _less(plain if ok else None, r, "peak_bytes")
             rounds = f" {min(r['rounds']):>8.2f}-{max(r['rounds']):<8.2f}" if spread else ""
+            synced = ""
+            if gpu_synced:
+                base = plain.get("synced_ms", math.nan) if ok and plain is not None else math.nan
+                synced = f" {r.get('synced_ms', math.nan):>9.2f} {r.get('synced_ms', math.nan) / base:>8.2f}"
             print(f"{model:<12} {method:<14} {r['step_ms']:>9.2f} {ratio:>8.2f} {r['mean_ms']:>9.2f} "
                   f"{mean_ratio:>8.2f} {probes:>6} {r['held_bytes'] / 2**20:>9.2f} {less} "
                   f"{r['peak_bytes'] / 2**20:>9.2f} {peak_less} "
-                  f"{r['loss']:>8.4f}{rounds}", flush=True)
+                  f"{r['loss']:>8.4f}{synced}{rounds}", flush=True)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
 
 
