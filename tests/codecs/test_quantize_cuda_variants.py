@@ -2,9 +2,9 @@
 
 Each variant, at each width, encodes a few hundred values through the codec (payload,
 metadata, exception list) and must write the PyTorch reference's record byte for byte and
-decode to its values: a full tile, a tile of one partial group and idle lanes, NaN and ±Inf
-inside full lanes, lanes past the end. One block of four warps (as in
-``test_quantize_cuda_teams.py``), so the tensors take more than one turn of the loop.
+decode to its values: whole and partial tiles, idle lanes, NaN and ±Inf inside otherwise full
+lanes, a denormal, lanes past the end. One block of four warps (as in
+``test_quantize_cuda_teams.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import torch
 from memctl.codecs.quantize import _kernels as _quantize_kernels
 from memctl.codecs.quantize.codec import QuantizeCodec
 
-# (bits, group, numel): 16 values a lane at 1 and 2 bits, 8 at 4 and 8 bits (codec groups of 64 at 8)
-_CASES = [(1, 64, 300), (2, 32, 330), (4, 16, 200), (8, 64, 150)]
+# (bits, group, numel): a warp tile is 32 * 16 values at 1 and 2 bits, 32 * 8 at 4 and 8 (groups of 16
+# through the codec at 8 bits): each case has one whole tile (ADDR's unguarded loads) and a partial
+# one; groups of 48 leave two lanes of each warp idle (its tiles take the guarded loads)
+_CASES = [(1, 64, 540), (2, 32, 560), (2, 48, 150), (4, 16, 280), (8, 64, 270)]
 # every Variant but BASE (named here: importing _cuda_teams at collection would import numba.cuda)
 _VARIANTS = ["select", "fastpath", "sum32", "noprefetch", "wordstore", "addr", "lean"]
 
