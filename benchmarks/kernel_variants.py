@@ -17,6 +17,12 @@ Every shape runs in a fresh process, because the kernels are built once per proc
 
     python benchmarks/kernel_variants.py                 # the shapes of the README's table
     python benchmarks/kernel_variants.py --shape 2,4,16  # one shape: bits, blocks/SM, values/lane
+    python benchmarks/kernel_variants.py --variants all --shapes 2,4,16 4,4,8
+        # every encode variant (NOTE [ Team kernel variants ]) at those shapes, one process each
+
+With ``--variants`` it runs the encode variants of NOTE [ Team kernel variants ]
+(``memctl/codecs/quantize/_cuda_variants.py``) instead, each at each of ``--shapes`` (default
+``TODAY``), one process and one line each; ``base`` is today's kernels.
 
 It needs a CUDA device. Under Numba's simulator (``NUMBA_ENABLE_CUDASIM=1``) it checks
 exactness only, on a small ``--numel``. Under Nsight Compute, one shape's kernels can be
@@ -51,13 +57,19 @@ def _field(n: int, seed: int, device: str) -> torch.Tensor:
     return torch.relu(torch.randn(n, generator=g) * scale).to(device)
 
 
-def run_shape(bits: int, blocks: int, chunk: int, numel: int, repeat: int) -> str:
-    """One line: exactness against the reference and throughput, for one kernel shape."""
+#: Today's shape of each width, for ``--variants`` without ``--shapes``.
+TODAY = ((2, 4, 16), (4, 4, 8), (8, 4, 8), (1, 4, 16))
+
+
+def run_shape(bits: int, blocks: int, chunk: int, numel: int, repeat: int, variant: str = "base") -> str:
+    """One line: exactness against the reference and throughput, for one kernel shape and variant."""
     from memctl import codecs
     from memctl.codecs.quantize import _cuda_teams
 
     _cuda_teams.BLOCKS_PER_SM = blocks  # read when the kernels are built and launched
     _cuda_teams.chunk_for = lambda group, b: chunk  # type: ignore[assignment]
+    build, chosen = _cuda_teams.team_kernels, _cuda_teams.Variant(variant)
+    _cuda_teams.team_kernels = lambda b, c, simulated: build(b, c, simulated, chosen)  # type: ignore[assignment]
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the simulator
     q, lossless = codecs.get("quantize"), codecs.get("lossless")
 
@@ -75,7 +87,7 @@ def run_shape(bits: int, blocks: int, chunk: int, numel: int, repeat: int) -> st
                                                            for k in ref.buffers)
     dec_ok = same(q.decode(ours, impl="cuda"), q.decode(ref, impl="reference"))
     masked_ok = same(q.decode(ours, impl="cuda", mask=mask), q.decode(ref, impl="reference", mask=mask))
-    head = (f"bits {bits} blocks/SM {blocks} values/lane {chunk}: exact encode {enc_ok} "
+    head = (f"{_label(bits, blocks, chunk, variant)}: exact encode {enc_ok} "
             f"decode {dec_ok} masked {masked_ok}")
     if device != "cuda":
         return head
@@ -104,6 +116,25 @@ def run_shape(bits: int, blocks: int, chunk: int, numel: int, repeat: int) -> st
             f"({dec / copy:.2f}), masked decode {masked:.0f} ({masked / copy:.2f})")
 
 
+def _label(bits: int, blocks: int, chunk: int, variant: str) -> str:
+    tail = "" if variant == "base" else f" variant {variant}"
+    return f"bits {bits} blocks/SM {blocks} values/lane {chunk}{tail}"
+
+
+def _in_process(bits: int, blocks: int, chunk: int, variant: str, args: argparse.Namespace) -> None:
+    """Print the line of one shape and variant, run in a fresh process."""
+    cmd = [sys.executable, __file__, "--shape", f"{bits},{blocks},{chunk}", "--variant", variant,
+           "--numel", str(args.numel), "--repeat", str(args.repeat)]
+    label = _label(bits, blocks, chunk, variant)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("bits ")]
+        print(lines[-1] if lines else f"{label}: failed (exit {out.returncode}): "
+              f"{out.stderr.strip().splitlines()[-1:]}", flush=True)
+    except subprocess.TimeoutExpired:
+        print(f"{label}: over {args.timeout:g} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default=None,
@@ -111,21 +142,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--numel", type=int, default=64 * 2**20, help="values timed (default 64M)")
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per kernel, the best kept")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per shape's process")
+    ap.add_argument("--variant", default="base",
+                    help="the encode variant of --shape (NOTE [ Team kernel variants ]; default base)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants, or 'all': each at each of --shapes, one process each")
+    ap.add_argument("--shapes", nargs="+", default=None,
+                    help="with --variants: bits,blocks_per_sm,values_per_lane ... (default: TODAY)")
     args = ap.parse_args(argv)
     if args.shape is not None:
         bits, blocks, chunk = (int(v) for v in args.shape.split(","))
-        print(run_shape(bits, blocks, chunk, args.numel, args.repeat), flush=True)
+        print(run_shape(bits, blocks, chunk, args.numel, args.repeat, args.variant), flush=True)
+        return
+    if args.variants is not None:
+        from memctl.codecs.quantize._cuda_teams import Variant  # imports numba.cuda, not a GPU context
+
+        names = [v.value for v in Variant] if args.variants == "all" else args.variants.split(",")
+        for name in names:
+            Variant(name)  # an unknown name fails here, before any process starts
+        shapes = TODAY if args.shapes is None else [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+        for bits, blocks, chunk in shapes:
+            for name in names:
+                _in_process(bits, blocks, chunk, name, args)
         return
     for bits, blocks, chunk in SHAPES:
-        cmd = [sys.executable, __file__, "--shape", f"{bits},{blocks},{chunk}", "--numel", str(args.numel),
-               "--repeat", str(args.repeat)]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("bits ")]
-            print(lines[-1] if lines else f"bits {bits} blocks/SM {blocks} values/lane {chunk}: failed "
-                  f"(exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", flush=True)
-        except subprocess.TimeoutExpired:
-            print(f"bits {bits} blocks/SM {blocks} values/lane {chunk}: over {args.timeout:g} s", flush=True)
+        _in_process(bits, blocks, chunk, args.variant, args)
 
 
 if __name__ == "__main__":
