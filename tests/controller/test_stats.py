@@ -111,6 +111,18 @@ def test_gradient_statistics_decay_per_step_not_per_reading() -> None:
     assert LayerState.from_state_dict(state.state_dict()) == state
 
 
+def _trained_cnn(steps: int) -> memctl.Controller:
+    """The CNN at ``bits=2``, ``steps`` steps trained; its controller still attached."""
+    model = CNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    for _ in range(steps):
+        model(torch.randn(4, 1, 16, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return ctl
+
+
 def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """NOTE [ One read-back per step ]: the controller folds every layer with one call."""
     calls: list[int] = []
@@ -121,16 +133,8 @@ def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-
         return real(steps, defer=defer)
 
     monkeypatch.setattr(memctl.controller.controller, "start_read", counting)
-    model = CNN()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
-    try:
-        for _ in range(2):
-            model(torch.randn(4, 1, 16, 16)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    finally:
-        ctl.detach()
+    ctl = _trained_cnn(2)
+    ctl.detach()
     assert len(calls) == 2 and all(n > 1 for n in calls)
     assert sum(la["max"] is not None for la in ctl.stats()["layers"]) >= 5
 
@@ -224,14 +228,8 @@ def test_a_late_read_is_folded_at_the_next_boundary(monkeypatch: pytest.MonkeyPa
     """Between two boundaries the step's statistics wait unfolded (no read of the training
     thread asked for them); the next boundary folds them before its own."""
     monkeypatch.setattr(stats.ScalarRead, "done", lambda self: False)
-    model = CNN()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    ctl = _trained_cnn(3)
     try:
-        for _ in range(3):
-            model(torch.randn(4, 1, 16, 16)).sum().backward()
-            opt.step()
-            opt.zero_grad()
         assert ctl._unfolded is not None  # step 2 is not due: nothing needed it
         folded = {name: s.seen_steps for name, s in ctl._layers.items()}
         assert ctl.stats()["layers"] and ctl._unfolded is None
