@@ -464,7 +464,8 @@ class Controller:
         trained = self._training_grad_sq() if cal.enabled and records and not self._packer.fsdp.active else []
         if trained:
             steps.append(LayerStep(grad_sq=list(trained)))
-        # NOTE [ One read-back per step ]; NOTE [ Statistics read a step late ]
+        # one read-back (NOTE [ One read-back per step ]), on a GPU folded late
+        # (NOTE [ Statistics read a step late ])
         read = start_read(steps, defer=self._ranks is None)
         decay = self.config.ema_decay
         for name, rec in records.items():
