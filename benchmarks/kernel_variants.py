@@ -64,12 +64,13 @@ TODAY = ((2, 4, 16), (4, 4, 8), (8, 4, 8), (1, 4, 16))
 def run_shape(bits: int, blocks: int, chunk: int, numel: int, repeat: int, variant: str = "base") -> str:
     """One line: exactness against the reference and throughput, for one kernel shape and variant."""
     from memctl import codecs
-    from memctl.codecs.quantize import _cuda_teams
+    from memctl.codecs.quantize import _cuda_teams, _cuda_variants
 
     _cuda_teams.BLOCKS_PER_SM = blocks  # read when the kernels are built and launched
     _cuda_teams.chunk_for = lambda group, b: chunk  # type: ignore[assignment]
-    build, chosen = _cuda_teams.team_kernels, _cuda_teams.Variant(variant)
-    _cuda_teams.team_kernels = lambda b, c, simulated: build(b, c, simulated, chosen)  # type: ignore[assignment]
+    chosen = _cuda_variants.Variant(variant)
+    _cuda_teams.team_kernels = (  # type: ignore[assignment]
+        lambda b, c, simulated: _cuda_variants.team_kernels(b, c, simulated, chosen))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the simulator
     q, lossless = codecs.get("quantize"), codecs.get("lossless")
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         print(run_shape(bits, blocks, chunk, args.numel, args.repeat, args.variant), flush=True)
         return
     if args.variants is not None:
-        from memctl.codecs.quantize._cuda_teams import Variant  # imports numba.cuda, not a GPU context
+        from memctl.codecs.quantize._cuda_variants import Variant  # imports numba.cuda, not a GPU context
 
         names = [v.value for v in Variant] if args.variants == "all" else args.variants.split(",")
         for name in names:

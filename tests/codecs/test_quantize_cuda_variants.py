@@ -22,7 +22,7 @@ from memctl.codecs.quantize.codec import QuantizeCodec
 # through the codec at 8 bits): each case has one whole tile (ADDR's unguarded loads) and a partial
 # one; groups of 48 leave two lanes of each warp idle (its tiles take the guarded loads)
 _CASES = [(1, 64, 540), (2, 32, 560), (2, 48, 150), (4, 16, 280), (8, 64, 270)]
-# every Variant but BASE (named here: importing _cuda_teams at collection would import numba.cuda)
+# every Variant but BASE (named here: importing _cuda_variants at collection would import numba.cuda)
 _VARIANTS = ["select", "fastpath", "sum32", "noprefetch", "wordstore", "addr", "lean"]
 
 
@@ -46,12 +46,13 @@ def _values(numel: int) -> torch.Tensor:
 @pytest.mark.cudasim
 @pytest.mark.parametrize("name", _VARIANTS)
 def test_variant_encodes_like_the_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from memctl.codecs.quantize import _cuda_teams
+    from memctl.codecs.quantize import _cuda_teams, _cuda_variants
 
-    variant = _cuda_teams.Variant(name)
-    build = _cuda_teams.team_kernels
-    monkeypatch.setattr(_cuda_teams, "team_kernels",
-                        lambda bits, chunk, simulated: build(bits, chunk, simulated, variant))
+    variant = _cuda_variants.Variant(name)
+    def build(bits: int, chunk: int, simulated: bool) -> tuple[object, object]:
+        return _cuda_variants.team_kernels(bits, chunk, simulated, variant)
+
+    monkeypatch.setattr(_cuda_teams, "team_kernels", build)
     for bits, group, numel in _CASES:
         x = _values(numel)
         codec = QuantizeCodec(group_size=group)
@@ -64,7 +65,7 @@ def test_variant_encodes_like_the_reference(name: str, monkeypatch: pytest.Monke
 
 
 def test_every_variant_is_tested() -> None:
-    from memctl.codecs.quantize import _cuda_teams
+    from memctl.codecs.quantize import _cuda_variants
 
-    others = [v.value for v in _cuda_teams.Variant if v is not _cuda_teams.Variant.BASE]
+    others = [v.value for v in _cuda_variants.Variant if v is not _cuda_variants.Variant.BASE]
     assert sorted(_VARIANTS) == sorted(others)

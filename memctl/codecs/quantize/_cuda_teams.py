@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -20,9 +19,7 @@ from numba import cuda as _numba_cuda
 
 cuda: Any = _numba_cuda  # the module itself: the simulator swaps globals that are numba.cuda
 
-__all__ = [
-    "BLOCKS_PER_SM", "TEAM_TPB", "WARPS_PER_BLOCK", "Variant", "chunk_for", "team_kernels", "uses_teams",
-]
+__all__ = ["BLOCKS_PER_SM", "TEAM_TPB", "WARPS_PER_BLOCK", "chunk_for", "team_kernels", "uses_teams"]
 
 WARP = 32
 WARPS_PER_BLOCK = 4
@@ -33,21 +30,6 @@ TEAM_TPB = WARP * WARPS_PER_BLOCK  # threads per block
 BLOCKS_PER_SM = 4
 _FMAX = np.float32(3.4028234663852886e38)
 _M32 = np.uint64(0xFFFFFFFF)
-
-
-class Variant(str, Enum):
-    """Builds of the team kernels (NOTE [ Team kernel variants ] in ``_cuda_variants``). ``BASE``
-    is the one memctl runs; the others exist to be timed against it (``benchmarks/kernel_variants.py``)
-    and write the same bytes."""
-
-    BASE = "base"
-    SELECT = "select"
-    FASTPATH = "fastpath"
-    SUM32 = "sum32"
-    NOPREFETCH = "noprefetch"
-    WORDSTORE = "wordstore"
-    ADDR = "addr"
-    LEAN = "lean"
 
 
 def chunk_for(group: int, bits: int) -> int:
@@ -109,18 +91,14 @@ def _level(mn: Any, mx: Any, mn64: Any, rng: Any, q: Any, big: Any, masked: Any,
 
 
 @functools.cache
-def team_kernels(bits: int, chunk: int, simulated: bool, variant: Variant = Variant.BASE) -> tuple[Any, Any]:
+def team_kernels(bits: int, chunk: int, simulated: bool) -> tuple[Any, Any]:
     """``(encode, decode)`` for ``bits`` per value and ``chunk`` values per lane.
 
     ``simulated``: Numba's simulator has no ``syncwarp``; there the warp barrier is a block
     barrier, which every thread reaches equally often (the loops are uniform over the block).
-    ``variant``: another build of the encode, for benchmarks (NOTE [ Team kernel variants ]).
+    Other builds of the encode, for benchmarks: ``_cuda_variants.team_kernels`` (NOTE [ Team
+    kernel variants ]).
     """
-    if variant is not Variant.BASE:
-        from memctl.codecs.quantize import _cuda_variants
-
-        encode = _cuda_variants.build_encode(bits, chunk, simulated, variant)
-        return encode, _build_decode(bits, chunk, simulated)
     return _build_encode(bits, chunk, simulated), _build_decode(bits, chunk, simulated)
 
 

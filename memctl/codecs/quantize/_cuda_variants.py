@@ -42,14 +42,41 @@ All write the payload, metadata and non-finite flag of today's encode, byte for 
 
 from __future__ import annotations
 
+import functools
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
 from memctl.codecs.quantize import _cuda_teams
-from memctl.codecs.quantize._cuda_teams import _FMAX, WARP, WARPS_PER_BLOCK, Variant, _key32, cuda
+from memctl.codecs.quantize._cuda_teams import _FMAX, WARP, WARPS_PER_BLOCK, _key32, cuda
 
-__all__ = ["FEATURES", "build_encode"]
+__all__ = ["FEATURES", "Variant", "build_encode", "team_kernels"]
+
+
+class Variant(str, Enum):
+    """Builds of the team kernels (NOTE [ Team kernel variants ]). ``BASE`` is the one memctl runs;
+    the others exist to be timed against it (``benchmarks/kernel_variants.py``) and write the same
+    bytes."""
+
+    BASE = "base"
+    SELECT = "select"
+    FASTPATH = "fastpath"
+    SUM32 = "sum32"
+    NOPREFETCH = "noprefetch"
+    WORDSTORE = "wordstore"
+    ADDR = "addr"
+    LEAN = "lean"
+
+
+@functools.cache
+def team_kernels(bits: int, chunk: int, simulated: bool, variant: Variant) -> tuple[Any, Any]:
+    """``_cuda_teams.team_kernels`` with the encode of ``variant`` (today's decode): built here, so
+    that a benchmark may put this function in that one's place."""
+    encode = (_cuda_teams._build_encode(bits, chunk, simulated) if variant is Variant.BASE
+              else build_encode(bits, chunk, simulated, variant))
+    return encode, _cuda_teams._build_decode(bits, chunk, simulated)
+
 
 #: What each variant changes against ``BASE`` (NOTE [ Team kernel variants ]).
 FEATURES: dict[Variant, frozenset[str]] = {
