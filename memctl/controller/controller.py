@@ -55,6 +55,7 @@ from memctl.controller.config import KEEP_BITS, ControllerConfig, Objective
 from memctl.controller.copysafe import ControllerHook, managing_hooks
 from memctl.controller.device import resolve_device
 from memctl.controller.distributed import RankSync, local_rank, rank_info, resolve_group
+from memctl.controller.gates import GateFloors
 from memctl.controller.guard import ConvergenceGuard, LayerNoise
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
@@ -194,6 +195,9 @@ class Controller:
         self._replayer = Replayer(self.config, self._tracker, self.device,
                                   walking=lambda: self._packer.walking)
         self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
+        self._gates = GateFloors(model, self.config.gate_bits) if self.config.gate_bits is not None else None
+        """NOTE [ Gates near zero ]."""
+        self._gate_floors: dict[str, float] = {}
         self._capture: Capture | None = None
         self._unfolded: tuple[ScalarRead, dict[str, LayerStep], bool] | None = None
         """The last boundary's statistics while read late (NOTE [ Statistics read a step late ])."""
@@ -225,6 +229,7 @@ class Controller:
             self._handles.append(module.register_forward_hook(ControllerHook(self._grad_probe(name))))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(ControllerHook(self._on_optimizer_step)))
+        self._refresh_gates()
         if self.config.monitor_interval_s > 0:
             from memctl.monitor import Sampler, select_reader
 
@@ -260,6 +265,8 @@ class Controller:
         self._handles.clear()
         self._tracker.reset()
         self._packer.fsdp.detach()
+        if self._gates is not None:
+            self._gates.close()
         settle_checks()  # NOTE [ Exception lists without a wait ]: no input is held past the detach
         self._settle_statistics()
         if self._monitor is not None:
@@ -400,6 +407,9 @@ class Controller:
                 adaptive = policy.resolve_objective(self.config, budgeted) is Objective.BYTES
                 bits = float(policy.default_bits(self.config, adaptive))
                 choice = self._default_choice[budgeted] = (bits, None)
+            floor = self._gate_floors.get(layer) if self._gate_floors else None
+            if floor is not None and floor > choice[0]:  # NOTE [ Gates near zero ]
+                return floor, None
             return choice
         return state.bits, state.error_bound
 
@@ -441,6 +451,8 @@ class Controller:
     def _step_boundary(self) -> None:
         started = time.perf_counter()
         self._settle_statistics()  # the last step's (NOTE [ Statistics read a step late ])
+        if self._gates is not None and self._gates.watching:
+            self._gates.finish()  # before any replay runs the model (NOTE [ Gates near zero ])
         self._scope.close()
         self._packer.collector.resume()
         self._train_s += time.perf_counter() - self._last_boundary
@@ -524,6 +536,33 @@ class Controller:
         if self._unfolded is not None:  # a read in the training thread folds them first
             self._publication.mark_stale()
         self._last_boundary = time.perf_counter()
+
+    def _refresh_gates(self) -> None:
+        """Read the normalisation scales again and floor the layers around those near zero
+        (NOTE [ Gates near zero ]); an event when the set of gates changes."""
+        gates = self._gates
+        if gates is None:
+            return
+        before, floored = gates.gates, set(self._gate_floors)
+        try:
+            gates.refresh()
+        except Exception as exc:  # NOTE [ Codec fallback ]: a floor never stops training
+            _log.warning("memctl could not read the normalisation scales (%s: %s); no gate floors from now "
+                         "on (NOTE [ Gates near zero ])", type(exc).__name__, exc)
+            gates.close()
+            self._gates, self._gate_floors = None, {}
+            return
+        if gates.gates and not gates.watching:
+            gates.watch()
+        self._gate_floors = gates.floors()
+        if gates.gates != before or set(self._gate_floors) != floored:
+            opened = sorted(before - gates.gates)
+            message = (f"{len(gates.gates)} residual branches closed by a normalisation scale near zero; "
+                       f"{len(self._gate_floors)} layers kept at >= {gates.bits} bits"
+                       + (f" (opened: {', '.join(opened[:4])}{' ...' if len(opened) > 4 else ''})"
+                          if opened else ""))
+            _log.info("memctl at step %d: %s", self._step, message)
+            self._event("gates", message)
 
     def _settle_statistics(self) -> None:
         """Fold the statistics of the last boundary that were read late, waiting for their copy
@@ -695,6 +734,9 @@ class Controller:
             return calibration.estimate(state, fallback_g2, bits)
 
         evidence = {s.name: f for s in layers if (f := calibration.floor(s)) is not None}
+        self._refresh_gates()
+        for name, f in self._gate_floors.items():  # NOTE [ Gates near zero ]
+            evidence[name] = max(f, evidence.get(name, f))
         result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed,
                                  calibration.reference(), variance_fn=variance,
                                  floors=self._guard.floors, evidence_floors=evidence)

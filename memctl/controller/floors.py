@@ -49,7 +49,7 @@ saved a tensor ] (regions.py) recognises piecewise activations. An op that saves
 result (the attention's output, softmax) is known when that result is packed, because
 its ``grad_fn`` is the op's node; an op's output that the next op saves (LayerNorm's, the
 probabilities as a matmul operand) is known from its ``grad_fn`` through view-like nodes
-(:data:`_VIEWS`) and casts (a bfloat16 model's ``F.rms_norm`` on a CPU computes in float32
+(:data:`VIEWS`) and casts (a bfloat16 model's ``F.rms_norm`` on a CPU computes in float32
 and casts its output back); an explicit RMSNorm (Hugging Face's ``LlamaRMSNorm``, no node of
 its own) is recognised by its multiplication by an ``rsqrt``. Both get the floor at once.
 Inputs (query, key, value, the matmul operands, LayerNorm's input) are packed before the
@@ -141,7 +141,8 @@ import torch
 from memctl.controller.walks import QuietWalks
 
 __all__ = [
-    "ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "FloorTracker", "Raise", "is_rsqrt", "row_group",
+    "ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "VIEWS", "FloorTracker", "Raise", "is_rsqrt",
+    "row_group",
 ]
 
 RECENT = 6
@@ -219,7 +220,7 @@ _OPS: dict[str, _Op] = {
 
 # Nodes that only re-index or copy their input (a linear layer saves a 2-D view of a 3-D input;
 # Hugging Face's models return their last hidden state through ``aten.alias``).
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
                     "TransposeBackward0", "TBackward0", "PermuteBackward0", "ExpandBackward0",
                     "SliceBackward0", "SelectBackward0", "AsStridedBackward0", "CloneBackward0"})
 _WALK_NODES = 16
@@ -229,11 +230,11 @@ SOFTMAX = frozenset({"SoftmaxBackward0", "SafeSoftmaxBackward0"})
 """A softmax's node types (``_safe_softmax`` gives 0, not NaN, on a row masked whole)."""
 _MATMULS = frozenset({"BmmBackward0", "MmBackward0"})
 
-HOLDING = _VIEWS | _MATMULS
+HOLDING = VIEWS | _MATMULS
 """Consumers that do not release a recent record (NOTE [ Releasing inputs early ] in regions.py):
 views and copies pass it on, and a matrix product may be an attention's, known once its softmax
 shows up."""
-_SCALING = _VIEWS | {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0",
+_SCALING = VIEWS | {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "AddBackward0",
                      "AddBackward1", "SubBackward0", "SubBackward1", "MaskedFillBackward0",
                      "MaskedFillBackward1", "WhereBackward0"}
 
@@ -248,7 +249,7 @@ def _first_beyond(node: Any, skip: frozenset[str], limit: int = 6) -> Any:
     return None
 
 
-_CASTS = _VIEWS | {"ToCopyBackward0"}
+_CASTS = VIEWS | {"ToCopyBackward0"}
 _RMS_PRODUCT = "MulBackward0"
 """The node of an explicit RMSNorm's product (:func:`_is_rms_norm` looks no further for any other)."""
 
@@ -295,10 +296,10 @@ def _attention_matmul(node: Any) -> tuple[Any, tuple[str, ...]] | None:
 
 def _is_probabilities(node: Any) -> bool:
     """Whether ``node`` is (a view of) a softmax's output, or of its dropout."""
-    below = _first_beyond(node, _VIEWS)
+    below = _first_beyond(node, VIEWS)
     operand = dropout_operand(below)
     if operand is not None:
-        below = _first_beyond(operand[0], _VIEWS)
+        below = _first_beyond(operand[0], VIEWS)
     return type(below).__name__ in SOFTMAX
 
 
@@ -409,7 +410,7 @@ class FloorTracker:
     def matches(self, t: torch.Tensor) -> list[Raise]:
         """The recent records that a table op at or a few steps above ``t``'s node saved.
 
-        Nodes that only re-index (:data:`_VIEWS`, clones) cost no step; a node created
+        Nodes that only re-index (:data:`VIEWS`, clones) cost no step; a node created
         before every recent record's node cannot have consumed one, and the walk stops
         there (NOTE [ Walking only newer nodes ] in regions.py).
         """
@@ -453,7 +454,7 @@ class FloorTracker:
                     found += self._inputs_of(matmul[0], list(matmul[1]), False)
             if op is None and name not in HOLDING and self._recent and not rms:
                 self._release(edges, keyed)  # NOTE [ Releasing inputs early ] in regions.py
-            below = depth + (0 if name in _VIEWS else 1)
+            below = depth + (0 if name in VIEWS else 1)
             if below <= _WALK_DEPTH:
                 for e in edges:
                     if e[0] is not None:
