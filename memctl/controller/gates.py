@@ -63,6 +63,8 @@ the model's normalisation scales."""
 _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 _LEAST_NORMS = 4
 """Fewer normalisation modules than this give no quartile to judge a scale against."""
+_MOST_CALLS = 64
+"""Calls of one module noted while watching (micro-batches before the first step add more)."""
 
 
 class GateFloors:
@@ -140,7 +142,9 @@ class GateFloors:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             node = _node(args[0]) if args else None
             if node is not None:  # before an in-place op makes the input its own output
-                self._inputs.setdefault(name, []).append(node)  # a module may run more than once
+                calls = self._inputs.setdefault(name, [])  # a module may run more than once
+                if len(calls) < _MOST_CALLS:
+                    calls.append(node)
         return hook
 
     def _post(self, name: str) -> Any:
