@@ -19,7 +19,10 @@ from numba import cuda as _numba_cuda
 
 cuda: Any = _numba_cuda  # the module itself: the simulator swaps globals that are numba.cuda
 
-__all__ = ["BLOCKS_PER_SM", "TEAM_TPB", "WARPS_PER_BLOCK", "chunk_for", "team_kernels", "uses_teams"]
+__all__ = [
+    "BLOCKS_PER_SM", "TEAM_TPB", "WARPS_PER_BLOCK", "chunk_for", "positive_writer", "team_kernels",
+    "team_range", "tile_loader", "uses_teams",
+]
 
 WARP = 32
 WARPS_PER_BLOCK = 4
@@ -120,6 +123,81 @@ def _kernel_options(simulated: bool) -> dict[str, Any]:
     return {"fastmath": False, "launch_bounds": (TEAM_TPB, BLOCKS_PER_SM)}
 
 
+@functools.cache
+def tile_loader(chunk: int, simulated: bool) -> Any:
+    """``load_tile(x, n, tile, ntiles, tile_vals, lane, dest)``: lane ``lane``'s ``chunk`` values
+    of warp tile ``tile`` (value ``j * 32 + lane`` in ``dest[j]``); 0 past the tile, the tensor
+    or the last tile. (``simulated`` keys the cache: a device function of one target only.)"""
+    C = chunk
+
+    @cuda.jit(device=True)
+    def load_tile(x: Any, n: Any, tile: Any, ntiles: Any, tile_vals: Any, lane: Any, dest: Any) -> None:
+        s0 = np.int64(tile) * tile_vals
+        for j in range(C):
+            li = j * WARP + lane
+            val = np.float32(0.0)
+            if tile < ntiles and li < tile_vals and s0 + li < n:
+                val = x[s0 + li]
+            dest[j] = val
+
+    return load_tile
+
+
+@functools.cache
+def team_range(simulated: bool) -> Any:
+    """``team_range(smn, smx, w, lane, team, tl, team_size, per_tile, mn, mx) -> (mn, mx)``: the
+    minimum and maximum of a team's lanes (each lane's own in ``mn``, ``mx``), by a tree over the
+    lanes in the warp's shared rows ``smn[w]``, ``smx[w]``; (0, 0) where no value was finite, and
+    -0.0 as +0.0. Every lane of the warp calls it (it holds warp barriers)."""
+    sync = _warp_sync(simulated)
+
+    @cuda.jit(device=True)
+    def team_range(smn: Any, smx: Any, w: Any, lane: Any, team: Any, tl: Any, team_size: Any,
+                   per_tile: Any, mn: Any, mx: Any) -> Any:
+        smn[w, lane] = mn
+        smx[w, lane] = mx
+        sync()
+        step = 1
+        while step < team_size:
+            if team < per_tile and tl % (2 * step) == 0 and tl + step < team_size:
+                a = smn[w, lane + step]
+                b = smx[w, lane + step]
+                mn = a if a < mn else mn
+                mx = b if b > mx else mx
+                smn[w, lane] = mn
+                smx[w, lane] = mx
+            sync()
+            step *= 2
+        mn = smn[w, team * team_size]
+        mx = smx[w, team * team_size]
+        if mn > mx:  # no finite value in the group
+            mn = np.float32(0.0)
+            mx = np.float32(0.0)
+        return mn + np.float32(0.0), mx + np.float32(0.0)  # -0.0 -> +0.0
+
+    return team_range
+
+
+@functools.cache
+def positive_writer(chunk: int, simulated: bool) -> Any:
+    """``positive_bits(v, cnt, i0, positive)``: the bit map of which of the lane's first ``cnt``
+    values (of ``chunk``, in ``v``) are above zero, into ``positive`` from byte ``i0 / 8``."""
+    C = chunk
+
+    @cuda.jit(device=True)
+    def positive_bits(v: Any, cnt: Any, i0: Any, positive: Any) -> None:
+        for m in range(C // 8):
+            if 8 * m < cnt:
+                acc = 0
+                for j in range(8):
+                    k = 8 * m + j
+                    if k < cnt and v[k] > np.float32(0.0):
+                        acc |= 1 << j
+                positive[(i0 >> 3) + m] = np.uint8(acc)
+
+    return positive_bits
+
+
 def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
     C = chunk
     P = 8 // bits  # values per byte
@@ -131,18 +209,9 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
     SCALE = np.float64(BIG) * 16777216.0
     sync = _warp_sync(simulated)
     mix = _mix32 if simulated else _mix32_gpu
-
-    @cuda.jit(device=True)
-    def _load_tile(x: Any, n: Any, tile: Any, ntiles: Any, tile_vals: Any, lane: Any, dest: Any) -> None:
-        """Lane ``lane``'s values of warp tile ``tile`` (value ``j * 32 + lane`` in ``dest[j]``);
-        0 past the tile, the tensor or the last tile."""
-        s0 = np.int64(tile) * tile_vals
-        for j in range(C):
-            li = j * WARP + lane
-            val = np.float32(0.0)
-            if tile < ntiles and li < tile_vals and s0 + li < n:
-                val = x[s0 + li]
-            dest[j] = val
+    _load_tile = tile_loader(C, simulated)
+    _team_range = team_range(simulated)
+    _positive_bits = positive_writer(C, simulated)
 
     @cuda.jit(**_kernel_options(simulated))
     def encode(
@@ -199,27 +268,7 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
                     else:
                         nonfinite += 1
             # (3) the team's min/max: a tree over its lanes in shared memory
-            smn[w, lane] = mn
-            smx[w, lane] = mx
-            sync()
-            step = 1
-            while step < team_size:
-                if team < per_tile and tl % (2 * step) == 0 and tl + step < team_size:
-                    a = smn[w, lane + step]
-                    b = smx[w, lane + step]
-                    mn = a if a < mn else mn
-                    mx = b if b > mx else mx
-                    smn[w, lane] = mn
-                    smx[w, lane] = mx
-                sync()
-                step *= 2
-            mn = smn[w, team * team_size]
-            mx = smx[w, team * team_size]
-            if mn > mx:  # no finite value in the group
-                mn = np.float32(0.0)
-                mx = np.float32(0.0)
-            mn = mn + np.float32(0.0)  # -0.0 -> +0.0
-            mx = mx + np.float32(0.0)
+            mn, mx = _team_range(smn, smx, w, lane, team, tl, team_size, per_tile, mn, mx)
             g = np.int64(tile) * per_tile + team
             if live and tl == 0 and g < ngroups:
                 meta[g, 0] = mn
@@ -245,14 +294,7 @@ def _build_encode(bits: int, chunk: int, simulated: bool) -> Any:
                         acc |= int(q if q < BIG else BIG) << (p * bits)
                 sb[w, lane * CB + b] = np.uint8(acc)
             if want_positive:
-                for m in range(C // 8):
-                    if 8 * m < cnt:
-                        acc = 0
-                        for j in range(8):
-                            k = 8 * m + j
-                            if k < cnt and v[k] > np.float32(0.0):
-                                acc |= 1 << j
-                        positive[(i0 >> 3) + m] = np.uint8(acc)
+                _positive_bits(v, cnt, i0, positive)
             sync()
             # (5) coalesced byte stores of the tile (padding codes of the last group included)
             b0 = s0 * bits // 8

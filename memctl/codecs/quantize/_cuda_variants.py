@@ -111,15 +111,9 @@ def build_encode(bits: int, chunk: int, simulated: bool, variant: Variant) -> An
     sync = _cuda_teams._warp_sync(simulated)
     mix = _cuda_teams._mix32 if simulated else _cuda_teams._mix32_gpu
 
-    @cuda.jit(device=True)
-    def _load_tile(x: Any, n: Any, tile: Any, ntiles: Any, tile_vals: Any, lane: Any, dest: Any) -> None:
-        s0 = np.int64(tile) * tile_vals
-        for j in range(C):
-            li = j * WARP + lane
-            val = np.float32(0.0)
-            if tile < ntiles and li < tile_vals and s0 + li < n:
-                val = x[s0 + li]
-            dest[j] = val
+    _load_tile = _cuda_teams.tile_loader(C, simulated)
+    _team_range = _cuda_teams.team_range(simulated)
+    _positive_bits = _cuda_teams.positive_writer(C, simulated)
 
     @cuda.jit(device=True)
     def _load_full(x: Any, n: Any, tile: Any, ntiles: Any, tile_vals: Any, lane: Any, dest: Any) -> None:
@@ -219,27 +213,7 @@ def build_encode(bits: int, chunk: int, simulated: bool, variant: Variant) -> An
                 mx = b if b > mx else mx
                 lanebad += 1 if here and not ok else 0
             nonfinite += lanebad
-            smn[w, lane] = mn
-            smx[w, lane] = mx
-            sync()
-            step = 1
-            while step < team_size:
-                if team < per_tile and tl % (2 * step) == 0 and tl + step < team_size:
-                    a = smn[w, lane + step]
-                    b = smx[w, lane + step]
-                    mn = a if a < mn else mn
-                    mx = b if b > mx else mx
-                    smn[w, lane] = mn
-                    smx[w, lane] = mx
-                sync()
-                step *= 2
-            mn = smn[w, team * team_size]
-            mx = smx[w, team * team_size]
-            if mn > mx:
-                mn = np.float32(0.0)
-                mx = np.float32(0.0)
-            mn = mn + np.float32(0.0)
-            mx = mx + np.float32(0.0)
+            mn, mx = _team_range(smn, smx, w, lane, team, tl, team_size, per_tile, mn, mx)
             g = np.int64(tile) * per_tile + team
             if live and tl == 0 and g < ngroups:
                 meta[g, 0] = mn
@@ -265,14 +239,7 @@ def build_encode(bits: int, chunk: int, simulated: bool, variant: Variant) -> An
                 for b in range(CB):
                     sb[w, lane * CB + b] = np.uint8((acc >> WT(8 * b)) & WT(0xFF))
             if want_positive:
-                for m in range(C // 8):
-                    if 8 * m < cnt:
-                        pacc = 0
-                        for j in range(8):
-                            k = 8 * m + j
-                            if k < cnt and v[k] > np.float32(0.0):
-                                pacc |= 1 << j
-                        positive[(i0 >> 3) + m] = np.uint8(pacc)
+                _positive_bits(v, cnt, i0, positive)
             if not wordstore:  # (a word store reads no shared memory; the next tile's barrier suffices)
                 sync()
             if not wordstore:
