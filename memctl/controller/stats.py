@@ -316,12 +316,6 @@ def _reduce(values: list[float], reduce: Callable[[list[float]], float]) -> floa
     return math.nan if any(map(math.isnan, values)) else float(reduce(values))
 
 
-def read_back(lists: list[list[torch.Tensor | float]]) -> list[list[float]]:
-    """``lists`` of floats and one-value tensors of one device as floats, read back with one
-    copy (NOTE [ One read-back per step ]): the tensors stacked by dtype, as float64."""
-    return _Copy(lists, defer=False).lists()
-
-
 def _on_host(values: list[torch.Tensor | float]) -> list[float] | None:
     """``values`` as floats when every one is a float or a CPU tensor, else None."""
     out = []

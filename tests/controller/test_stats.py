@@ -141,10 +141,12 @@ def test_step_boundary_reads_back_once(monkeypatch) -> None:  # type: ignore[no-
 
 def test_read_back_takes_floats_beside_tensors_of_several_dtypes() -> None:
     """The device path (a GPU's values, read back once) takes floats beside tensors too."""
-    got = stats.read_back([[torch.tensor(1.5), 2.25], [], [torch.tensor(-1.0, dtype=torch.float64),
-                                                          torch.tensor([0.5], dtype=torch.bfloat16)]])
+    got = stats._Copy([[torch.tensor(1.5), 2.25], [], [torch.tensor(-1.0, dtype=torch.float64),
+                                                       torch.tensor([0.5], dtype=torch.bfloat16)]],
+                      defer=False).lists()
     assert got == [[1.5, 2.25], [], [-1.0, 0.5]]
-    assert stats.read_back([[3.0]]) == [[3.0]]
+    assert stats._Copy([[3.0]], defer=False).lists() == [[3.0]]
+
 
 @pytest.mark.parametrize("counts", [[7], [3, 1, 12], [1, 1]])
 def test_segment_ranges_match_each_layers_own_reduction(counts: list[int]) -> None:
