@@ -172,6 +172,16 @@ class GateFloors:
             own = next(modules[name].parameters(recurse=False), None) is not None
             if own or node not in made_by:
                 made_by[node] = name
+        # the sums the modules read (their operands, and each operand below its views), and
+        # which modules read each node: found once for every candidate
+        sums: list[tuple[str, list[Any], list[Any]]] = []
+        readers: dict[Any, list[str]] = {}
+        for consumer, nodes in inputs.items():
+            for node in nodes:
+                readers.setdefault(node, []).append(consumer)
+                if type(node).__name__.startswith("AddBackward"):
+                    operands = [n for n, _ in node.next_functions if n is not None]
+                    sums.append((consumer, operands, [_through_views(n) for n in operands]))
         neighbours: dict[str, tuple[str, ...]] = {}
         for gate in self._norms:
             out = outputs.get(gate)
@@ -179,19 +189,14 @@ class GateFloors:
                 continue
             # its output, and the outputs of modules that only passed it on (its activation, a
             # drop path)
-            passed = {out} | {outputs[m] for m, nodes in inputs.items() if out in nodes and m in outputs}
+            passed = {out} | {outputs[m] for m in readers.get(out, ()) if m in outputs}
             layers = [gate]
-            for consumer, nodes in inputs.items():
-                for node in nodes:
-                    if not type(node).__name__.startswith("AddBackward"):
-                        continue
-                    operands = [n for n, _ in node.next_functions if n is not None]
-                    mine = [_through_views(n) in passed for n in operands]
-                    if not any(mine):
-                        continue
-                    layers.append(consumer)
-                    layers += [made_by[n] for n, m in zip(operands, mine, strict=True)
-                               if not m and n in made_by]
+            for consumer, operands, below in sums:
+                mine = [b in passed for b in below]
+                if not any(mine):
+                    continue
+                layers.append(consumer)
+                layers += [made_by[n] for n, m in zip(operands, mine, strict=True) if not m and n in made_by]
             neighbours[gate] = tuple(dict.fromkeys(layers))
         self._neighbours = neighbours
 
