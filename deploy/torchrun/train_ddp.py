@@ -100,6 +100,13 @@ def init_distributed(device_arg: str) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: ``print`` writes the text and its newline apart, and another
+    rank's line on the same pipe can land between the two."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def params_in_sync(model: nn.Module) -> bool:
     """True when every rank holds the same parameters (DDP's all-reduce; FSDP's gathered shards)."""
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
@@ -140,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_serve:
         try:
             handle = ctl.serve(host=args.host, port=args.port, port_per_rank=True)
-            print(f"rank {rank} serves the memctl API at {handle.url}", flush=True)
+            say(f"rank {rank} serves the memctl API at {handle.url}")
         except memctl.MemctlError as exc:
             print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
             failed += 1
@@ -166,22 +173,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             step += 1
             if rank == 0 and (step == 1 or step % args.log_every == 0):
                 s = ctl.stats()
-                print(f"step {s['step']:>4}  loss {float(loss.detach()):.3f}  activations "
-                      f"{format_bytes(s['raw_bytes'])} -> {format_bytes(s['packed_bytes'])} "
-                      f"(ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} bits/value)  "
-                      f"fits batch {ctl.batch_size}", flush=True)
+                say(f"step {s['step']:>4}  loss {float(loss.detach()):.3f}  activations "
+                    f"{format_bytes(s['raw_bytes'])} -> {format_bytes(s['packed_bytes'])} "
+                    f"(ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} bits/value)  "
+                    f"fits batch {ctl.batch_size}")
             if step >= args.steps:
                 break
         epoch += 1
     elapsed = time.perf_counter() - t0
     s = ctl.stats()
-    print(f"rank {rank}: {s['step']} steps in {elapsed:.1f} s, ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} "
-          f"bits/value, budget {format_bytes(s['budget_bytes'])}, batch size {s['batch_size']}, "
-          f"agreed {s['agreed']}, fallbacks {s['fallbacks']}", flush=True)
+    say(f"rank {rank}: {s['step']} steps in {elapsed:.1f} s, ratio {s['ratio']:.1f}x, {s['avg_bits']:.2f} "
+        f"bits/value, budget {format_bytes(s['budget_bytes'])}, batch size {s['batch_size']}, "
+        f"agreed {s['agreed']}, fallbacks {s['fallbacks']}")
     ctl.detach()
     in_sync = params_in_sync(model)
     if rank == 0:
-        print(f"parameters in sync across {world} rank(s): {in_sync}", flush=True)
+        say(f"parameters in sync across {world} rank(s): {in_sync}")
     dist.barrier()
     # Free DDP (and its gradient reducer) while the process group is still registered. Freed
     # after destroy_process_group, the reducer holds the last reference to the Gloo group,
