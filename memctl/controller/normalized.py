@@ -65,6 +65,34 @@ a copy or under the error-bound codec, ``z`` modified in place since it was pack
 other normalisations (their statistics are per sample), cuDNN's batch-norm node (not
 checked on a GPU here), and anything between the batch norm and ``t`` but the above.
 
+NOTE [ Batch-norm inputs normalised when no record reads the output ]
+A batch norm's output often goes into a sum that saves nothing: a residual block's last
+norm and its downsampling shortcut (``out = bn2(conv2(·)); out += identity``), RepVGG's and
+MobileOne's parallel branches. No chain forms then, and its input ``z`` stayed in its own
+coordinates. Its backward reads ``z`` through ``x̂ = (ẑ - mean)·invstd`` per channel, so a
+channel's rounding noise comes back scaled by its own ``invstd``; on a small feature map a
+quantisation group spans channels (2x2 positions: 64 channels in a group of 256, 16 in an
+8-bit group of 64), each small channel took the step of the group's largest, and its
+``x̂`` came back as noise. MobileOne's scale branch (a depthwise 1x1 convolution, whose
+channels differ in scale by their single weights) put timm's ``mobileone_s0`` at an 8-bit
+whole-gradient cosine of 0.9788, the error in the batch norms after those convolutions (an
+ad-hoc attribution, one layer at 8 bits and the rest exact: ``stages.2.*.conv_scale.bn``
+and ``stages.3.0.conv_scale.bn`` first); at 2 bits everywhere its gradient came back 10^34
+times too large (a channel of near-zero variance read through ``invstd``).
+
+So when a module's output is a batch norm's output (the ``BatchNorm2d`` module's, or a
+conv-norm-act module's with no activation), its input's pending record is watched; at the
+next module output that is not that tensor (or the forward's end), if no chain was rebuilt
+from the record meanwhile (an activation above the norm that saves its result or its
+input forms one, and moves the record to normalised coordinates itself), the record is
+encoded again from ``n = (z - mean)·invstd`` at its own bits and ``z`` is read back as
+``n/invstd + mean``, as a chain's root is. The same bytes; one more encode in the forward
+that finds it, none from the next on (the slot becomes a root hint: NOTE [ Roots known
+from the last forward ] in packing.py). The maps are checked against ``z`` once per node
+kind, dtype and device type, as the chain's. ``mobileone_s0``: 8-bit cosine 0.9788 ->
+0.99998, the 2-bit gradient's relative error 7.6e34 -> 1.08 (figures of the fidelity
+benchmark in benchmarks/README.md).
+
 NOTE [ Unbiased reads of a ReLU result ]
 A ReLU result rebuilt from its chain is ``a·n̂ + c`` (``n̂`` the quantised ``n``) under its
 exact mask. Stochastic rounding makes ``n̂`` unbiased, and so ``a·n̂ + c``, but a true
@@ -132,6 +160,7 @@ bits (``x`` at 8) Mish's draws are unbiased (ratio 0.99).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -140,7 +169,7 @@ import torch
 
 from memctl.codecs import channels
 
-__all__ = ["BATCH_NORM", "WIDE_BITS", "Chain", "chain_of", "is_wide", "verified", "widen"]
+__all__ = ["BATCH_NORM", "WIDE_BITS", "Chain", "UnreadNorm", "chain_of", "is_wide", "verified", "widen"]
 
 Function = Callable[[torch.Tensor], torch.Tensor]
 
@@ -198,6 +227,20 @@ class Chain:
         source = _Source(mean, invstd, flat[0], std, zero, z_dtype)
         output = _Output(flat[3], flat[2], zero, t_dtype, op)
         return normalise, source, output
+
+
+@dataclass(slots=True)
+class UnreadNorm:
+    """A batch norm whose output no record has read yet (NOTE [ Batch-norm inputs normalised when
+    no record reads the output ])."""
+
+    saved: weakref.ref[Any]
+    """The input's record."""
+    z: torch.Tensor
+    version: int
+    output: weakref.ref[torch.Tensor]
+    normalise: Function
+    z_of: Function
 
 
 def _fused_on(t: torch.Tensor) -> bool:

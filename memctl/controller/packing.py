@@ -224,7 +224,7 @@ from memctl.controller.logprobs import LogProbs, decode_log_probs, encode_log_pr
 from memctl.controller.microbatch import MicroBatch, peak_basis
 from memctl.controller.norm_outputs import NormInputs
 from memctl.controller.norm_reads import NORM_NODES, NormReads
-from memctl.controller.normalized import WIDE_BITS, chain_of, is_wide, verified, widen
+from memctl.controller.normalized import BATCH_NORM, WIDE_BITS, UnreadNorm, chain_of, is_wide, verified, widen
 from memctl.controller.regions import RELU, Partition, RegionCode, RegionTracker, result_partition
 from memctl.controller.shared_decode import SharedDecode
 from memctl.controller.squares import SQUARE_READERS, square_read
@@ -495,6 +495,8 @@ class Packer:
         """Module outputs rebuilt while their roots were alive, by node id (at most two)."""
         self._derivations = QuietWalks()
         """Whether packs look for a record to keep as derived (NOTE [ Walks that find nothing ])."""
+        self._unread_norms: list[UnreadNorm] = []
+        """Batch norms whose output no record has read yet (NOTE [ Batch-norm inputs normalised ... ])."""
         self._recent: list[torch.Tensor] = []
         """The last floating-point tensors recorded, held until two more are (roots of a product
         that the next layer saves: SwiGLU's ``silu(gate)·up``)."""
@@ -779,6 +781,8 @@ class Packer:
         """The model's forward ended: no pending input can be matched any more."""
         if self._queue:
             self.settle()
+        if self._unread_norms:
+            self._normalise_unread(None)
         if self._batches:
             self._encode_batches()
         if self._held_log_probs:
@@ -900,10 +904,14 @@ class Packer:
             items = list(output.values())
         else:
             items = list(output) if isinstance(output, tuple | list) else [output]
+        if self._unread_norms:
+            self._normalise_unread(items)
         for t in items:
             node = t.grad_fn if isinstance(t, torch.Tensor) else None
             if node is not None:
                 self._match(t, node)
+                if type(node).__name__ in BATCH_NORM:
+                    self._watch_unread(t)
                 # NOTE [ A batch norm's input read twice ] in norm_reads.py
                 self._norm_reads.watch(t, node, self._tracker.current)
                 if self._producers and t.is_floating_point():
@@ -1983,6 +1991,71 @@ class Packer:
         saved = Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
+
+    def _watch_unread(self, t: torch.Tensor) -> None:
+        """``t``, a module's output, is a batch norm's: its input's record is normalised if no
+        record reads ``t`` (NOTE [ Batch-norm inputs normalised when no record reads the output ])."""
+        chain = chain_of(t)
+        if chain is None or chain.after is not None or self._config.codec is CodecMode.ERRORBOUND:
+            return
+        pending = self._regions.pending(chain.source, chain.source_node)
+        z_saved = pending.saved() if pending is not None else None
+        if pending is None or z_saved is None or pending.source.shape != t.shape:
+            return
+        data = z_saved.data
+        if not (isinstance(data, Packed) and data.codec == "quantize") or \
+                any(u.saved() is z_saved for u in self._unread_norms):
+            return
+        z = pending.source.detach()
+        try:
+            fns = chain.functions(z, t)
+            if fns is None:
+                return
+            normalise, z_of, _ = fns
+            key = (chain.key + "/input", z.dtype, z.device.type)  # the input maps alone, once
+            if key not in self._regions.outputs.verified:
+                if not verified(lambda v: z_of(normalise(v)), z, z):
+                    return
+                self._regions.outputs.verified.add(key)
+        except Exception as exc:  # see NOTE [ Codec fallback ]: z keeps its record
+            if z_saved.layer is not None:
+                self._on_fallback(z_saved.layer, exc)
+            return
+        self._unread_norms.append(UnreadNorm(weakref.ref(z_saved), z, pending.version, weakref.ref(t),
+                                             normalise, z_of))
+
+    def _normalise_unread(self, outputs: list[Any] | None) -> None:
+        """The watched batch norms whose output is not among ``outputs`` (None: all of them): the
+        input's record, where no record was rebuilt from it meanwhile, encoded again in normalised
+        coordinates at its own bits (NOTE [ Batch-norm inputs normalised when no record reads ... ])."""
+        kept: list[UnreadNorm] = []
+        for u in self._unread_norms:
+            out = u.output()
+            if outputs is not None and out is not None and any(o is out for o in outputs):
+                kept.append(u)
+                continue
+            z_saved = u.saved()
+            if z_saved is None or z_saved.layer is None or root_of(z_saved) is not z_saved \
+                    or u.z._version != u.version:
+                continue
+            data = z_saved.data
+            if not (isinstance(data, Packed) and data.codec == "quantize"):
+                continue
+            layer = z_saved.layer
+            try:
+                n = u.normalise(u.z)
+                normalised = Saved(data, n, layer=layer)
+                if not self._raise_root(normalised, n, 0, layer, self.record(layer), force=True):
+                    continue
+            except Exception as exc:  # see NOTE [ Codec fallback ]: z keeps its record
+                self._on_fallback(layer, exc)
+                continue
+            z_saved.data = Derived(normalised, u.z_of)
+            if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
+                self._root_hints_next.add(z_saved.slot)
+        self._unread_norms = kept
+        if self._batches.deferred:
+            self._settle_deferred()
 
     def _derive_norm(self, t: torch.Tensor, floor: int, layer: str) -> Saved | None:
         """``t``, a norm's output at the norm's floor, recomputed from the norm's input record

@@ -202,7 +202,11 @@ def test_frozen_bias_under_relu_is_not_derived(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_chain_function_that_misses_the_output_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong bias: ReLU's result keeps its own record, as with no chains at all (the batch norm's
+    input normalised in neither run: NOTE [ Batch-norm inputs normalised when no record reads the
+    output ])."""
     monkeypatch.setattr(normalized, "_bias", lambda node: torch.zeros(16) + 0.25)
+    monkeypatch.setattr(packing.Packer, "_watch_unread", lambda self, t: None)
     wrong_grad, wrong_bytes = _run(_model(nn.ReLU), 2)
     _no_chains(monkeypatch)
     separate_grad, separate_bytes = _run(_model(nn.ReLU), 2)
@@ -613,3 +617,56 @@ def test_a_value_dependent_activation_does_not_share_the_batch_norm_input_record
     chained_exact, chained = _batch_norm_weight_draws(act, draws=96)
     assert torch.equal(chained_exact, exact)
     assert bias_over_noise(exact, chained) > 20.0
+
+
+class _ScaleBranch(nn.Module):
+    """MobileOne's scale branch, or a ResNet's block end: a depthwise 1x1 convolution whose
+    channels differ in scale by three orders of magnitude, then a batch norm whose output goes
+    into a sum (no record reads it), on 2x2 feature maps (a quantisation group spans channels)."""
+
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1, groups=channels, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.logspace(0, -3, channels).view(-1, 1, 1, 1))
+            self.bn.weight.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)) + x
+
+
+def _branch_error(bits: int, seed: int = 0) -> float:
+    """The batch norm's weight gradient's relative error at ``bits``."""
+    torch.manual_seed(0)
+    model = _ScaleBranch()
+    x = torch.randn(256, 32, 2, 2, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    ref = model.bn.weight.grad.clone()
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    model(x).square().mean().backward()
+    ctl.detach()
+    return float((model.bn.weight.grad - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("bits", [8, 2])
+def test_a_batch_norm_input_no_record_reads_is_normalised(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Batch-norm inputs normalised when no record reads the output ]: the input's record holds
+    ``(z - mean)·invstd``, so the small channels keep their own precision; in the input's own
+    coordinates their values took the step of the group's largest channel, and the batch norm's
+    weight gradient read them through ``invstd``."""
+    records = spy_records(monkeypatch)
+    normalised = _branch_error(bits)
+    z = next(saved for name, saved in records if name == "ConvolutionBackward0")
+    assert isinstance(z.data, Derived) and getattr(z.data.fn, "normalised", False)
+    records.clear()
+    monkeypatch.setattr(packing.Packer, "_watch_unread", lambda self, t: None)
+    raw = _branch_error(bits)
+    z = next(saved for name, saved in records if name == "ConvolutionBackward0")
+    assert not isinstance(z.data, Derived)
+    assert normalised < 0.25 * raw, (normalised, raw)
+    assert normalised < (0.01 if bits == 8 else 0.5), normalised
+
