@@ -670,3 +670,32 @@ def test_a_batch_norm_input_no_record_reads_is_normalised(bits: int, monkeypatch
     assert normalised < 0.25 * raw, (normalised, raw)
     assert normalised < (0.01 if bits == 8 else 0.5), normalised
 
+
+
+def test_replays_normalise_the_batch_norm_input_as_training_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Replay ]: a replay's module outputs go to the replay's own packer, so a calibration
+    probe measures the records training makes (here, the batch norm's input in normalised
+    coordinates; before, the replays kept it in its own and measured what training no longer did)."""
+    seen: list[tuple[int, Any]] = []
+    pack_new = packing.Packer._pack_new
+
+    def spy(self: packing.Packer, t: torch.Tensor, layer: str, *rest: Any) -> Any:
+        saved = pack_new(self, t, layer, *rest)
+        if type(t.grad_fn).__name__ == "ConvolutionBackward0":
+            seen.append((id(self), saved))
+        return saved
+
+    monkeypatch.setattr(packing.Packer, "_pack_new", spy)
+    torch.manual_seed(0)
+    model = _ScaleBranch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0)
+    x = torch.randn(256, 32, 2, 2, generator=torch.Generator().manual_seed(0))
+    model(x).square().mean().backward()
+    opt.step()
+    probes = ctl.stats()["calibration"]["probes"]
+    ctl.detach()
+    compressed = [(packer, saved) for packer, saved in seen if not isinstance(saved.data, torch.Tensor)]
+    assert probes >= 1 and len({packer for packer, _ in compressed}) >= 2  # training's packer and a replay's
+    assert all(isinstance(saved.data, Derived) and getattr(saved.data.fn, "normalised", False)
+               for _, saved in compressed)
