@@ -699,3 +699,19 @@ def test_replays_normalise_the_batch_norm_input_as_training_does(monkeypatch: py
     assert probes >= 1 and len({packer for packer, _ in compressed}) >= 2  # training's packer and a replay's
     assert all(isinstance(saved.data, Derived) and getattr(saved.data.fn, "normalised", False)
                for _, saved in compressed)
+
+
+def test_a_batch_norm_input_whose_groups_lie_in_one_channel_keeps_its_coordinates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """16x16 positions a channel: every group of 256 (2 bits) lies in one channel and has its own
+    step already, so the record is not encoded again (NOTE [ Batch-norm inputs normalised ... ])."""
+    records = spy_records(monkeypatch)
+    torch.manual_seed(0)
+    model = _ScaleBranch(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
+                            calibration_fraction=0.0)
+    model(torch.randn(16, 8, 16, 16)).square().mean().backward()
+    ctl.detach()
+    z = next(saved for name, saved in records if name == "ConvolutionBackward0")
+    assert not isinstance(z.data, (Derived, torch.Tensor))
