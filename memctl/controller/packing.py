@@ -629,6 +629,7 @@ class Packer:
         self._regions.clear()
         self._floors.clear()
         self._norms.clear()
+        self._unread_norms.clear()  # a forward that raised never ended: its tensors let go
         self._begun = None
         self._steps += 1
         self._derived_index.clear()
