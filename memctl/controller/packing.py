@@ -1967,13 +1967,11 @@ class Packer:
                 region = self._region_code(t.detach(), part)
             if root is z_saved:  # the first output read from z: z's record moves to normalised coordinates
                 n = normalise(z)
-                normalised = Saved(root.data, n, layer=z_saved.layer)
-                if not self._raise_root(normalised, n, 0 if own else int(bits), layer, rec, force=True,
-                                        hidden=True, at_least=finest):
+                normalised = self._normalise_root(z_saved, n, z_of, 0 if own else int(bits), layer, rec,
+                                                  at_least=finest)
+                if normalised is None:
                     return None
-                z_saved.data, root = Derived(normalised, z_of), normalised
-                if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
-                    self._root_hints_next.add(z_saved.slot)
+                root = normalised
                 if self._batches.deferred:
                     self._settle_deferred()
             elif own or n is None or not self._raise_root(root, n, int(bits), layer, rec, hidden=True,
@@ -1992,6 +1990,20 @@ class Packer:
         saved = Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
+
+    def _normalise_root(self, z_saved: Saved, n: torch.Tensor, z_of: Callable[[torch.Tensor], torch.Tensor],
+                        bits: int, layer: str, rec: LayerStep, at_least: int | None = None) -> Saved | None:
+        """``z_saved``'s record (a batch norm's input) encoded again from ``n``, that input in
+        normalised coordinates, ``bits`` wider, and ``z_saved`` read back through ``z_of`` from it
+        (NOTE [ Batch-norm outputs recomputed from the input ]). The normalised record, or None
+        where :meth:`_raise_root` left the record as it was."""
+        normalised = Saved(z_saved.data, n, layer=z_saved.layer)
+        if not self._raise_root(normalised, n, bits, layer, rec, force=True, hidden=True, at_least=at_least):
+            return None
+        z_saved.data = Derived(normalised, z_of)
+        if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
+            self._root_hints_next.add(z_saved.slot)
+        return normalised
 
     def _watch_unread(self, t: torch.Tensor) -> None:
         """``t``, a module's output, is a batch norm's: its input's record is normalised if no
@@ -2047,16 +2059,9 @@ class Packer:
                 continue
             layer = z_saved.layer
             try:
-                n = u.normalise(u.z)
-                normalised = Saved(data, n, layer=layer)
-                if not self._raise_root(normalised, n, 0, layer, self.record(layer), force=True):
-                    continue
+                self._normalise_root(z_saved, u.normalise(u.z), u.z_of, 0, layer, self.record(layer))
             except Exception as exc:  # see NOTE [ Codec fallback ]: z keeps its record
                 self._on_fallback(layer, exc)
-                continue
-            z_saved.data = Derived(normalised, u.z_of)
-            if z_saved.slot is not None:  # NOTE [ Roots known from the last forward ]
-                self._root_hints_next.add(z_saved.slot)
         self._unread_norms = kept
         if self._batches.deferred:
             self._settle_deferred()
