@@ -34,7 +34,10 @@ chain and hash of one value with those of the next. Each variant here changes on
 
 Static counts (ptxas for sm_90 at the launch bound, 2 bits, 16 values a lane): ``BASE`` 128
 registers and 32 bytes of spills; ``SELECT`` 40, ``SUM32`` 20; ``NOPREFETCH``, ``WORDSTORE``,
-``ADDR`` and ``LEAN`` none. Only timing on a GPU says which is faster.
+``ADDR`` and ``LEAN`` none. Timed on an H200 (benchmarks/README.md, 2026-11-28, second
+session), none is faster than ``BASE`` beyond the spread between processes (2 bits: ``BASE``
+0.30 of the copy's bandwidth, ``WORDSTORE`` 0.29 in the same call): fewer registers and no
+spills did not buy speed, so the codec runs ``BASE``.
 
 All write the payload, metadata and non-finite flag of today's encode, byte for byte
 (``tests/codecs/test_quantize_cuda_variants.py`` in the simulator; ``kernel_variants.py`` on a GPU).
