@@ -109,6 +109,25 @@ independent per-sample terms (BatchNorm couples the samples, so this is approxim
 It also replays the allocation in use, whose measured added variance the convergence
 guard (NOTE [ Convergence guard ]) compares with the bound.
 
+NOTE [ The median's layers ]
+The median ‖∇Y‖² that the closed forms' level is read against (NOTE [ Gradient scale between
+probes ]) is a median over the layers that have a ‖∇Y‖², and that set changes when blocks
+open. In RegNetY-200MF (``benchmarks/fidelity.py``) every block's last batch norm starts at a
+zero scale (NOTE [ Gates near zero ]): at the first probe no gradient reaches the layers inside
+the blocks, and the median (4.6e-4) was over the shortcut path; ten steps on, the blocks open
+and their layers, with gradients that have only begun to grow, join it: 1.5e-7. The level then
+multiplied every closed form by 2,194. For the layers whose closed form borrows the median
+that was right, but a layer with its own ‖∇Y‖² had not moved (``s3.b2.conv3.bn`` 0.27 -> 0.45),
+and its 2-bit estimate went to 40 where a probe at that step measured the layers of its kind at
+~0.03: with no probe due at step 10 (NOTE [ Probe cost ]) the re-solve put 17 layers at 8 bits
+and 54 at 4 (7.4x).
+
+So a probe keeps the layers its median was taken over (``median_layers``), and every median
+until the next probe is taken over those of them that still have one: the level compares the
+same layers at both ends. A probe takes its median over all that have one now, and keeps those.
+RegNetY's step-10 re-solve: 88 layers at 2 bits and 24 at 4, none at 8, the estimates at 2 bits
+of the blocks' last batch norms 0.02-0.06.
+
 NOTE [ Unmeasured layers ]
 Per-layer factors over the closed form span more than three orders of magnitude within
 one network (on MobileNetV3, 8e-5 for a BatchNorm input and 0.28 for the hardswish input
@@ -223,7 +242,7 @@ from typing import TypeVar
 
 from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.outliers import SUSPECT, robust_value
-from memctl.controller.stats import LayerState
+from memctl.controller.stats import LayerState, median_grad_sq
 
 __all__ = ["EIGHT_BIT_RANGES", "Calibration", "Measurement", "closed_form", "law"]
 
@@ -310,6 +329,9 @@ class Calibration:
         self._probe_scale: tuple[float, float] | None = None
         """The unit and the median ‖∇Y‖² at the last probe (NOTE [ Gradient scale between
         probes ]): the closed forms' level, and the measurements' shares."""
+        self.median_layers: frozenset[str] | None = None
+        """The layers that median was taken over, and every median until the next probe's
+        (NOTE [ The median's layers ]); None: all that observed a ‖∇Y‖²."""
         self.added_share = 0.0
         """The allocation in use's predicted added variance over :meth:`unit`, when it was solved."""
         self._noise: float | None = None
@@ -391,20 +413,28 @@ class Calibration:
         self.unsafe[layer] = max(self.unsafe.get(layer, 0), bits)
 
     def record_reference(self, grad_sq: float | None, noise: float | None,
-                         median_grad_sq: float | None = None) -> None:
+                         median_grad_sq: float | None = None, among: frozenset[str] | None = None) -> None:
         """A probe's exact squared gradient norm and tr Var(g); call it before the probe's layer
         values are recorded: its ‖g‖² is their unit (NOTE [ Gradient scale ]). ``median_grad_sq``:
-        the layers' median smoothed ‖∇Y‖² at the probe, what the closed forms stand on."""
+        the layers' median smoothed ‖∇Y‖² at the probe, what the closed forms stand on, taken over
+        the layers ``among`` (NOTE [ The median's layers ])."""
         if grad_sq is not None and math.isfinite(grad_sq) and grad_sq > 0:
             self._probe_unit = grad_sq
             # the previous scale, moved to this step by the training gradient, then this probe
             self.grad_sq = _ema(self.unit() if self.grad_sq else None, grad_sq)
             self._anchor_sq = self._train_sq
             self._probe_scale = None
+            self.median_layers = None
             if median_grad_sq is not None and math.isfinite(median_grad_sq) and median_grad_sq > 0:
                 self._probe_scale = (self.grad_sq, median_grad_sq)
+                self.median_layers = among
         if noise is not None and math.isfinite(noise) and noise > 0:
             self._noise = _ema(self._noise, noise / (self._probe_unit or 1.0))
+
+    def median_grad_sq(self, layers: list[LayerState]) -> float:
+        """The median ‖∇Y‖² the closed forms stand on between probes: over the layers the last
+        probe's was taken over (NOTE [ The median's layers ])."""
+        return median_grad_sq(layers, self.median_layers)
 
     def reference(self) -> float | None:
         """The variance the bound is relative to: tr Var(g) if measured, else ‖g‖²."""
@@ -641,6 +671,7 @@ class Calibration:
             "grad_noise": self._noise,
             "train_sq": self._train_sq,
             "probe_scale": list(self._probe_scale) if self._probe_scale else None,
+            "median_layers": sorted(self.median_layers) if self.median_layers is not None else None,
             "anchor_sq": self._anchor_sq,
             "relative": True,  # NOTE [ Gradient scale ]: values over their probe's ‖g‖²
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
@@ -675,6 +706,9 @@ class Calibration:
         if isinstance(scale, list | tuple) and len(scale) == 2 and all(
                 isinstance(v, int | float) and v > 0 for v in scale):
             self._probe_scale = (float(scale[0]), float(scale[1]))
+        among = state.get("median_layers")
+        self.median_layers = (frozenset(str(n) for n in among)
+                              if self._probe_scale is not None and isinstance(among, list | tuple) else None)
         widths = state.get("width_factors") or {}
         self.width_factors = {}
         if isinstance(widths, dict):

@@ -620,13 +620,15 @@ class Controller:
         if capture is not None or (self.config.guard and self._guard.loss_turning(self._step)):
             self._settle_statistics()  # the probe and the guard use this step's statistics
         layers = [s for s in self._layers.values() if s.numels]
-        fallback_g2 = median_grad_sq(layers)
+        fallback_g2 = self._calibration.median_grad_sq(layers)
         fired = self._guard_fired = False
         if capture is not None and capture.out_grads and layers:
             self._replaying = True
             try:
+                # a probe takes the median over every layer that has a ‖∇Y‖² now, and keeps
+                # those layers for the medians after it (NOTE [ The median's layers ])
                 result = run_probe(replay_module(self.model), self._replayer, capture, self._calibration,
-                                   layers, self._choice_for, self.config, fallback_g2, self._step,
+                                   layers, self._choice_for, self.config, median_grad_sq(layers), self._step,
                                    self._train_s)
             except Exception as exc:  # NOTE [ Codec fallback ]: calibration never stops training
                 _log.warning("calibration probe failed at step %d (%s: %s); calibration is off from now on",
@@ -638,6 +640,7 @@ class Controller:
                 self._replaying = False
                 self._tracker.reset()
             self._train_s = 0.0
+            fallback_g2 = self._calibration.median_grad_sq(layers)
             if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
                 self._outlier_event(result.unsafe, "")
             if result is not None and self.config.guard:
@@ -726,7 +729,7 @@ class Controller:
         else:
             margin = int(self.config.margin_fraction * total)
             self._activation_budget = max(total - self._static_bytes - margin, 0)
-        fallback_g2 = median_grad_sq(layers)
+        fallback_g2 = self._calibration.median_grad_sq(layers)
         fixed = policy.fixed_bytes(list(self._layers.values()))
         calibration = self._calibration
 
@@ -1011,7 +1014,7 @@ class Controller:
 
     def _publish(self) -> None:
         layers = sorted(self._layers.values(), key=lambda s: s.name)
-        g2 = median_grad_sq([s for s in layers if s.numels])  # the allocation's and the probes' median
+        g2 = self._calibration.median_grad_sq([s for s in layers if s.numels])  # the allocation's median
         raw, packed = self._totals["raw_bytes"], self._totals["packed_bytes"]
         controlled = sum(sum(s.numels) for s in layers if s.used_bits is not None)
         bits_sum = sum(sum(s.numels) * s.used_bits for s in layers if s.used_bits is not None)

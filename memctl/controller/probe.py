@@ -15,7 +15,7 @@ from memctl.controller.grouping import footprint, inside, plan, prior_footprints
 from memctl.controller.outliers import REDRAWS, absurd, robust_draws, robust_value, suspect
 from memctl.controller.policy import error_bound_for
 from memctl.controller.replay import Capture, ChoiceFn, Replayer, exact, several
-from memctl.controller.stats import LayerState
+from memctl.controller.stats import LayerState, grad_sq_names
 
 __all__ = ["ProbeResult", "run_probe"]
 
@@ -89,7 +89,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             if ga is not None and gb is not None:
                 result.noise = float((ga - gb).square().sum())
         if record:  # before any layer value: this probe's ‖g‖² is their unit (NOTE [ Gradient scale ])
-            calibration.record_reference(result.grad_sq, result.noise, fallback_g2)
+            calibration.record_reference(result.grad_sq, result.noise, fallback_g2, grad_sq_names(layers))
         if result.added is not None:  # the model's prediction of it, before this probe's layer values
             result.predicted = sum(calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers)
         scale = max(scale, result.noise or 0.0)

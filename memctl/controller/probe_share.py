@@ -49,7 +49,7 @@ import torch
 
 from memctl.controller.calibration import closed_form
 from memctl.controller.probe import ProbeResult, run_probe
-from memctl.controller.stats import LayerState, median_grad_sq
+from memctl.controller.stats import LayerState, grad_sq_names, median_grad_sq
 
 __all__ = ["ProbeShare", "apply_share", "replay_module", "share_probe"]
 
@@ -158,8 +158,8 @@ def share_probe(ctl: Controller) -> ProbeShare:
         ctl._replaying = True
         try:
             result = run_probe(replay_module(ctl.model), ctl._replayer, capture, ctl._calibration, layers,
-                               ctl._choice_for, ctl.config, median_grad_sq(layers), ctl._step, ctl._train_s,
-                               record=False)
+                               ctl._choice_for, ctl.config, ctl._calibration.median_grad_sq(layers),
+                               ctl._step, ctl._train_s, record=False)
         except Exception as exc:  # NOTE [ Codec fallback ]: calibration never stops training
             _log.warning("calibration probe failed at step %d (%s: %s); calibration is off from now on, "
                          "on every rank", ctl._step, type(exc).__name__, exc)
@@ -177,10 +177,10 @@ def share_probe(ctl: Controller) -> ProbeShare:
 def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     """Fold the agreed figures into the calibration and run the guard; True if it raised bits."""
     layers: list[LayerState] = [s for s in ctl._layers.values() if s.numels]
-    fallback_g2 = median_grad_sq(layers)
     cal = ctl._calibration
-    # first, as run_probe does (NOTE [ Gradient scale ])
-    cal.record_reference(share.grad_sq, share.noise, fallback_g2)
+    # first, as run_probe does (NOTE [ Gradient scale ], NOTE [ The median's layers ])
+    cal.record_reference(share.grad_sq, share.noise, median_grad_sq(layers), grad_sq_names(layers))
+    fallback_g2 = cal.median_grad_sq(layers)
     # The prediction of the allocation in use, before this probe's measurements (as run_probe does).
     predicted = sum(cal.estimate(s, fallback_g2, ctl._choice_for(s.name)[0]) for s in layers)
     by_name = {s.name: s for s in layers}

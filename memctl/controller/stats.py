@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["LayerState", "LayerStep", "ScalarRead", "median_grad_sq", "read_scalars", "start_read"]
+__all__ = ["LayerState", "LayerStep", "ScalarRead", "grad_sq_names", "median_grad_sq", "read_scalars",
+           "start_read"]
 
 
 @dataclass
@@ -163,10 +164,21 @@ class LayerState:
         return cls(**{k: v for k, v in sd.items() if k in known})
 
 
-def median_grad_sq(layers: list[LayerState]) -> float:
-    """Median smoothed ‖∇Y‖² over layers that observed one (1.0 when none did)."""
+def median_grad_sq(layers: list[LayerState], among: Collection[str] | None = None) -> float:
+    """Median smoothed ‖∇Y‖² over layers that observed one (1.0 when none did); with ``among``,
+    over those of its layers that did, where any did (NOTE [ The median's layers ] in
+    calibration.py)."""
     seen = [s.ema_grad_sq for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0]
+    if among is not None:
+        mine = [s.ema_grad_sq for s in layers
+                if s.name in among and s.ema_grad_sq is not None and s.ema_grad_sq > 0]
+        seen = mine or seen
     return statistics.median(seen) if seen else 1.0
+
+
+def grad_sq_names(layers: list[LayerState]) -> frozenset[str]:
+    """The layers :func:`median_grad_sq` takes its median over, without ``among``."""
+    return frozenset(s.name for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0)
 
 
 def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, float]]:

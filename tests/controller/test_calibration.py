@@ -12,7 +12,7 @@ from torch import nn
 import memctl
 from memctl.controller.calibration import Calibration, closed_form, law
 from memctl.controller.config import ControllerConfig
-from memctl.controller.stats import LayerState
+from memctl.controller.stats import LayerState, grad_sq_names, median_grad_sq
 from tests.controller.test_guard import NoisyNet, _steps
 
 
@@ -164,6 +164,36 @@ def test_a_measured_layer_drifts_with_its_share_among_the_layers() -> None:
     again = Calibration(ControllerConfig())
     again.load_state_dict(cal.state_dict())
     assert again.measured["a"][2].shares == cal.measured["a"][2].shares != ()
+
+
+def test_the_median_is_taken_over_the_layers_of_the_last_probe() -> None:
+    """NOTE [ The median's layers ]: layers inside blocks closed at the probe (no ‖∇Y‖² then)
+    that open later, with tiny gradients, do not move the median the closed forms' level is read
+    against; a layer with its own ‖∇Y‖² keeps its estimate, and the state keeps the layers."""
+    cal = Calibration(ControllerConfig())
+    path = [_layer(f"path{i}", 1.0, grad_sq=1e-3 * (i + 1)) for i in range(3)]
+    own = _layer("norm", 2.0, grad_sq=5e-3)
+    inside = [LayerState(f"inside{i}", ema_range_term=1.0, numels=(4096,)) for i in range(6)]
+    layers = [*path, own, *inside]
+    assert math.isclose(median_grad_sq(layers), 2.5e-3)
+    cal.observe_training(4.0)
+    cal.record_reference(10.0, 5.0, median_grad_sq(layers), grad_sq_names(layers))
+    cal.fit_width(2, 1.0, layers, cal.median_grad_sq(layers))
+    before = cal.estimate(own, cal.median_grad_sq(layers), 2)
+    for s in inside:  # the blocks open: gradients reach their layers, 10⁴ times smaller
+        s.ema_grad_sq = 1e-7
+    assert median_grad_sq(layers) == 1e-7  # over every layer now: the level would move 2·10⁴-fold
+    assert math.isclose(cal.median_grad_sq(layers), 2.5e-3)
+    assert math.isclose(cal.estimate(own, cal.median_grad_sq(layers), 2), before, rel_tol=1e-12)
+    again = Calibration(ControllerConfig())
+    again.load_state_dict(cal.state_dict())
+    assert again.median_layers == cal.median_layers == {"path0", "path1", "path2", "norm"}
+    # the next probe takes every layer with a ‖∇Y‖², and keeps them
+    cal.record_reference(cal.unit(), 5.0, median_grad_sq(layers), grad_sq_names(layers))
+    assert cal.median_grad_sq(layers) == 1e-7
+    # a probe's layers that all lost their value: the median over every layer that has one
+    cal.median_layers = frozenset({"gone"})
+    assert cal.median_grad_sq(layers) == 1e-7
 
 
 def test_predictions_follow_a_gradient_that_shrinks_after_the_last_probe() -> None:
