@@ -57,9 +57,15 @@ So ``S`` moves between probes as the training gradient does. While calibration i
 under FSDP2, where no probe runs) the controller reads the squared norm ‖ĝ‖² of the gradient
 the optimizer stepped with (the parameters' ``.grad``: one ``_foreach_norm`` and one read-back
 per device and dtype, 4.6 ms for ResNet-18's 11.3M parameters at one thread on the 2-core CPU
-box, ~1% of its step) at every step boundary, before the boundary's probe, and keeps an EMA
-(0.5) of ‖ĝ‖² / (1 + a), a the allocation in use's predicted added variance over the unit
-(E‖ĝ‖² = ‖g‖² + what compression adds). :meth:`Calibration.unit` is ``S`` times that EMA over
+box, ~1% of its step) at the boundaries of the steps that gather the layers' statistics (NOTE
+[ Sparse gradient statistics ]: the first two and the two before each re-solve) and at least
+one in eight between, before the boundary's probe, and keeps an EMA (0.5 a step, the steps
+not read held at the next value read) of ‖ĝ‖² / (1 + a), a the allocation in use's predicted
+added variance over the unit (E‖ĝ‖² = ‖g‖² + what compression adds). Read at every boundary
+until 2026-11-28, it was a third to a half of a small model's step boundary: the 3-layer MLP
+of ``benchmarks/training.py`` with the probes on, 1.24-1.70 ms a boundary -> 0.72-1.05 ms
+(``benchmarks/overhead.py``, three runs each), with the same ``fidelity.py`` rows.
+:meth:`Calibration.unit` is ``S`` times that EMA over
 its value at the last probe, and a probe weighs its ‖g‖² against the moved scale, not against
 the probe before. The ratio, not ‖ĝ‖² itself: the replay's ‖g‖² is taken after the optimizer's
 step with the step's own output gradients, the boundary's before it, and the two differ by a
@@ -323,6 +329,8 @@ class Calibration:
         self._train_sq: float | None = None
         """EMA of the training gradient's squared norm over the step boundaries (NOTE [ Gradient
         scale between probes ])."""
+        self._train_step: int | None = None
+        """The step of the last ‖ĝ‖² in :attr:`_train_sq`."""
         self._anchor_sq: float | None = None
         """The training gradient's squared norm at the weights of the last probe (None: the
         next boundary's sets it)."""
@@ -372,13 +380,15 @@ class Calibration:
             return self.grad_sq * (self._train_sq / self._anchor_sq)
         return self.grad_sq
 
-    def observe_training(self, grad_sq: float | None) -> None:
-        """The training gradient's squared norm at a step boundary, before that boundary's probe
-        (NOTE [ Gradient scale between probes ])."""
+    def observe_training(self, grad_sq: float | None, step: int | None = None) -> None:
+        """The training gradient's squared norm at the boundary of ``step``, before that boundary's
+        probe (NOTE [ Gradient scale between probes ]); the EMA decays per step since the last."""
         if grad_sq is None or not math.isfinite(grad_sq) or grad_sq <= 0:
             return
+        gap = 1 if step is None or self._train_step is None else max(step - self._train_step, 1)
+        self._train_step = step
         # E‖ĝ‖² = ‖g‖² + what compression adds
-        self._train_sq = _ema(self._train_sq, grad_sq / (1.0 + self.added_share))
+        self._train_sq = _ema(self._train_sq, grad_sq / (1.0 + self.added_share), gap)
         if self._anchor_sq is None:
             self._anchor_sq = self._train_sq
 
@@ -802,7 +812,9 @@ def _drift(now: float, then: float) -> float:
     return min(max(math.sqrt(now / then), 1.0 / _DRIFT_CLIP), _DRIFT_CLIP)
 
 
-def _ema(old: float | None, new: float) -> float:
+def _ema(old: float | None, new: float, steps: int = 1) -> float:
+    """The EMA's next value, ``steps`` steps after ``old`` (the steps between held at ``new``)."""
     if old is None or not math.isfinite(old):
         return new
-    return _EMA * old + (1.0 - _EMA) * new
+    keep = _EMA ** steps
+    return keep * old + (1.0 - keep) * new

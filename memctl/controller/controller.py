@@ -79,6 +79,10 @@ _log = logging.getLogger("memctl.controller")
 _SMALL_HINT_BYTES = 1 << 20
 """Least bytes in small tensors for NOTE [ Small tensors kept as they are ]'s hint."""
 
+_TRAIN_EVERY = 8
+"""Most steps between two reads of the training gradient's ‖ĝ‖² (NOTE [ Gradient scale between
+probes ]); the steps that gather the layers' statistics read it too."""
+
 
 class Controller:
     """Runtime memory manager for one model and optimizer.
@@ -199,7 +203,10 @@ class Controller:
         """NOTE [ Gates near zero ]."""
         self._gate_floors: dict[str, float] = {}
         self._capture: Capture | None = None
-        self._unfolded: tuple[ScalarRead, dict[str, LayerStep], bool] | None = None
+        self._trained_at = -_TRAIN_EVERY
+        """The last step whose training gradient's ‖ĝ‖² was read (NOTE [ Gradient scale between probes ])."""
+        self._unfolded: tuple[ScalarRead, dict[str, LayerStep], int | None] | None = None
+        """The last boundary's read, its records, and the step whose ‖ĝ‖² it holds (None: none)."""
         """The last boundary's statistics while read late (NOTE [ Statistics read a step late ])."""
         self._leaving = False
         self._leave_handle: Any = None
@@ -472,8 +479,13 @@ class Controller:
                 state.used_bits = None
         cal = self._calibration
         steps = list(records.values())
-        # NOTE [ Gradient scale between probes ]: the training gradient's ‖ĝ‖², in the same read-back
-        trained = self._training_grad_sq() if cal.enabled and records and not self._packer.fsdp.active else []
+        # NOTE [ Gradient scale between probes ]: the training gradient's ‖ĝ‖², in the same read-back,
+        # at the steps that gather the layers' statistics (``_probing``) and every few steps between
+        sample = self._probing or self._step - self._trained_at >= _TRAIN_EVERY
+        trained = (self._training_grad_sq() if cal.enabled and records and sample
+                   and not self._packer.fsdp.active else [])
+        if trained:
+            self._trained_at = self._step
         if trained:
             steps.append(LayerStep(grad_sq=list(trained)))
         # one read-back (NOTE [ One read-back per step ]), on a GPU folded late
@@ -485,7 +497,7 @@ class Controller:
             if layer is None:
                 layer = self._layers[name] = LayerState(name=name)
             layer.update(rec, batch=batch, decay=decay, later=True)
-        self._unfolded = (read, records, bool(trained))
+        self._unfolded = (read, records, self._step if trained else None)
         if read.done():
             self._settle_statistics()
         raw_bytes = packed_bytes = other_bytes = 0
@@ -572,8 +584,8 @@ class Controller:
             return
         read, records, trained = unfolded
         rows = read.result()
-        if trained:
-            self._calibration.observe_training(rows.pop()[3])
+        if trained is not None:
+            self._calibration.observe_training(rows.pop()[3], trained)
         decay = self.config.ema_decay
         for (name, rec), row in zip(records.items(), rows, strict=True):
             layer = self._layers.get(name)

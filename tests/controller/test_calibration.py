@@ -228,6 +228,39 @@ def test_predictions_follow_a_gradient_that_shrinks_after_the_last_probe() -> No
         assert 1e-4 / 4 < after[name] / value < 1e-4 * 4, (name, after[name] / value)
 
 
+def test_the_training_gradient_is_read_at_the_statistics_steps_and_every_eighth(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Gradient scale between probes ]: ‖ĝ‖² is read at the boundaries of the steps that
+    gather the layers' statistics (the first two, the two before each re-solve) and never more
+    than eight steps apart; the EMA decays per step across the steps not read."""
+    from memctl.controller.controller import Controller
+
+    read_at: list[int] = []
+    original = Controller._training_grad_sq
+
+    def counted(self: Controller) -> list[torch.Tensor]:
+        read_at.append(self._step)
+        return original(self)
+
+    monkeypatch.setattr(Controller, "_training_grad_sq", counted)
+    torch.manual_seed(0)
+    model = NoisyNet(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=10)
+    x = torch.randn(64, 32)
+    y = torch.randint(0, 10, (64,))
+    for _ in range(30):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ctl.detach()
+    assert read_at == [0, 1, 9, 10, 18, 19, 20, 28, 29]
+    cal = Calibration(ControllerConfig())
+    cal.observe_training(1.0, 0)
+    cal.observe_training(3.0, 8)  # eight steps on: the old value weighs 0.5 ** 8
+    assert math.isclose(cal._train_sq or 0.0, 3.0 - 2.0 * 0.5**8, rel_tol=1e-12)
+
+
 def test_probes_fit_every_width_while_layers_are_unmeasured() -> None:
     torch.manual_seed(0)
     model = NoisyNet(12.0)
