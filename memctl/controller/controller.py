@@ -206,8 +206,8 @@ class Controller:
         self._trained_at = -_TRAIN_EVERY
         """The last step whose training gradient's ‖ĝ‖² was read (NOTE [ Gradient scale between probes ])."""
         self._unfolded: tuple[ScalarRead, dict[str, LayerStep], int | None] | None = None
-        """The last boundary's read, its records, and the step whose ‖ĝ‖² it holds (None: none)."""
-        """The last boundary's statistics while read late (NOTE [ Statistics read a step late ])."""
+        """The last boundary's statistics while read late (NOTE [ Statistics read a step late ]): the
+        read, its records, and the step whose ‖ĝ‖² it holds (None: it holds none)."""
         self._leaving = False
         self._leave_handle: Any = None
         self._await_output = False
@@ -486,7 +486,6 @@ class Controller:
                    and not self._packer.fsdp.active else [])
         if trained:
             self._trained_at = self._step
-        if trained:
             steps.append(LayerStep(grad_sq=list(trained)))
         # one read-back (NOTE [ One read-back per step ]), on a GPU folded late
         # (NOTE [ Statistics read a step late ])
