@@ -568,8 +568,11 @@ class Controller:
         self._gate_floors = gates.floors()
         if gates.gates != before or set(self._gate_floors) != floored:
             opened = sorted(before - gates.gates)
+            # a container whose input is a residual sum is a neighbour too, but holds no records
+            kept = (sum(1 for n in self._gate_floors if n in self._layers) if self._layers
+                    else len(self._gate_floors))
             message = (f"{len(gates.gates)} residual branches closed by a normalisation scale near zero; "
-                       f"{len(self._gate_floors)} layers kept at >= {gates.bits} bits"
+                       f"{kept} layers kept at >= {gates.bits} bits"
                        + (f" (opened: {', '.join(opened[:4])}{' ...' if len(opened) > 4 else ''})"
                           if opened else ""))
             _log.info("memctl at step %d: %s", self._step, message)

@@ -191,3 +191,45 @@ def test_a_gate_whose_output_is_reshaped_before_the_sum_is_found() -> None:
         assert set(ctl._gate_floors) == {"branches.0.bn", "branches.1.bn", "branches.2.bn", "act", "stem"}
     finally:
         ctl.detach()
+
+
+class _LinearResidual(nn.Module):
+    """``x + bn(linear(x))`` with the norm's scale at zero: a closed branch."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+        nn.init.zeros_(self.bn.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.lin(x))
+
+
+def test_the_gates_event_counts_the_layers_that_hold_records() -> None:
+    """A container whose input is the residual sum (LeViT's blocks) is a neighbour of the gate
+    along with the layer inside it that saves the sum; only layers with records are counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), _LinearResidual(16),
+        nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()),
+        nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 10),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, min_numel=16, guard=False)
+    try:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert ctl._gates is not None and ctl._gates.gates == {"3.bn"}
+        floored = set(ctl._gate_floors)
+        assert "4" in floored and "4" not in ctl._layers  # the container: no records of its own
+        held = floored & set(ctl._layers)
+        assert "4.0" in held and len(held) < len(floored)
+        events = [e["message"] for e in ctl.stats()["events"] if e["kind"] == "gates"]
+        assert events and f"{len(held)} layers kept at >= 4 bits" in events[-1]
+    finally:
+        ctl.detach()
