@@ -59,7 +59,7 @@ from memctl.controller.gates import GateFloors
 from memctl.controller.guard import ConvergenceGuard, LayerNoise
 from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
 from memctl.controller.packing import Packer
-from memctl.controller.probe import run_probe
+from memctl.controller.probe import ProbeResult, run_probe
 from memctl.controller.probe_share import apply_share, replay_module, share_probe
 from memctl.controller.publication import Publication
 from memctl.controller.recurrent import RecurrentMode, attach_recurrent
@@ -634,8 +634,8 @@ class Controller:
         if capture is not None or (self.config.guard and self._guard.loss_turning(self._step)):
             self._settle_statistics()  # the probe and the guard use this step's statistics
         layers = [s for s in self._layers.values() if s.numels]
-        fallback_g2 = self._calibration.median_grad_sq(layers)
         fired = self._guard_fired = False
+        result: ProbeResult | None = None
         if capture is not None and capture.out_grads and layers:
             self._replaying = True
             try:
@@ -649,18 +649,17 @@ class Controller:
                              self._step, type(exc).__name__, exc)
                 self._event("calibration_failed", f"{type(exc).__name__}: {exc}")
                 self._calibration.disable()
-                result = None
             finally:
                 self._replaying = False
                 self._tracker.reset()
             self._train_s = 0.0
-            fallback_g2 = self._calibration.median_grad_sq(layers)
-            if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
-                self._outlier_event(result.unsafe, "")
-            if result is not None and self.config.guard:
-                fired = self._noise_guard(result.added, layers, fallback_g2)
-                if not fired and result.tail:
-                    fired = self._tail_guard(layers, fallback_g2, "")
+        fallback_g2 = self._calibration.median_grad_sq(layers)  # after the probe: over its layers
+        if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
+            self._outlier_event(result.unsafe, "")
+        if result is not None and self.config.guard:
+            fired = self._noise_guard(result.added, layers, fallback_g2)
+            if not fired and result.tail:
+                fired = self._tail_guard(layers, fallback_g2, "")
         if self.config.guard and not fired and self._guard.loss_turning(self._step):
             fired = self._raise_bits(layers, fallback_g2, 0.5, "the loss turned back up against its history")
         self._guard_fired = fired

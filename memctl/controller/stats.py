@@ -168,17 +168,20 @@ def median_grad_sq(layers: list[LayerState], among: Collection[str] | None = Non
     """Median smoothed ‖∇Y‖² over layers that observed one (1.0 when none did); with ``among``,
     over those of its layers that did, where any did (NOTE [ The median's layers ] in
     calibration.py)."""
-    seen = [s.ema_grad_sq for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0]
-    if among is not None:
-        mine = [s.ema_grad_sq for s in layers
-                if s.name in among and s.ema_grad_sq is not None and s.ema_grad_sq > 0]
-        seen = mine or seen
+    seen = [g2 for name, g2 in _grad_sqs(layers) if among is None or name in among]
+    if not seen and among is not None:
+        return median_grad_sq(layers)
     return statistics.median(seen) if seen else 1.0
 
 
 def grad_sq_names(layers: list[LayerState]) -> frozenset[str]:
     """The layers :func:`median_grad_sq` takes its median over, without ``among``."""
-    return frozenset(s.name for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0)
+    return frozenset(name for name, _ in _grad_sqs(layers))
+
+
+def _grad_sqs(layers: list[LayerState]) -> list[tuple[str, float]]:
+    """``(name, smoothed ‖∇Y‖²)`` of the layers that observed a positive one."""
+    return [(s.name, s.ema_grad_sq) for s in layers if s.ema_grad_sq is not None and s.ema_grad_sq > 0]
 
 
 def read_scalars(steps: list[LayerStep]) -> list[tuple[float, float, float, float]]:
