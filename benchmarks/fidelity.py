@@ -31,9 +31,10 @@ first steps', or ``evalN`` not below the start), the activation ratio memctl rep
 / packed bytes), the same ratio measured from outside memctl's statistics (bytes of the
 distinct storages a plain ``saved_tensors_hooks`` counter sees in the plain run, against
 the real buffer sizes of the records memctl's pack hook returned in the memctl run, both
-at the last step, the parameters' and the batch's storages left out of both: the model and
-the loop hold those anyway), the process's peak RSS, and the wall time of the training loop. Prints
-figures, asserts nothing; progress goes to stderr.
+at the last step, the parameters', the buffers' and the batch's storages left out of both:
+the model and the loop hold those anyway; a batch norm saves its running statistics, LeViT
+its attention-bias indices), the process's peak RSS, and the wall time of the training
+loop. Prints figures, asserts nothing; progress goes to stderr.
 
 ``--option NAME=VALUE`` (repeatable) passes a ``Controller`` keyword to every memctl
 configuration but ``cos8``; ``--no-checks`` skips the ``reseed`` and ``cos8`` runs, for a
@@ -289,12 +290,12 @@ def _storages(*values: Any) -> set[int]:
 
 class _PlainCounter:
     """A plain ``saved_tensors_hooks`` that keeps what autograd saves and counts its storages,
-    but those in :attr:`held`: the parameters', and the batch's once :meth:`hold` has named
-    it, memory the model and the loop hold anyway (memctl's records are counted against the
+    but those in :attr:`held`: the parameters' and buffers', and the batch's once :meth:`hold`
+    has named it, memory the model and the loop hold anyway (memctl's records are counted against the
     same set, by :func:`_record_bytes`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.held = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.held = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         self.storages: dict[int, int] = {}
 
     def hold(self, *values: Any) -> None:

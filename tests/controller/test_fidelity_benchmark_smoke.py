@@ -89,3 +89,28 @@ def test_fidelity_benchmark_reseeded_plain_row() -> None:
     assert reseed[2] != plain[2], (plain, reseed)  # the first steps' loss: other dropout masks
     assert reseed[6] == "no" and 50.0 < float(reseed[5].rstrip("%")) < 150.0, reseed
     assert float(plain[7]) > 0.999  # the 8-bit cosine, on the plain row
+
+
+def test_the_outside_count_leaves_out_what_the_model_holds() -> None:
+    """A batch norm in training saves its running statistics, the model's own buffers: memory
+    the model holds anyway, not saved activations, in neither the plain nor the memctl count."""
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        import fidelity
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU())
+    counter = fidelity._PlainCounter(model)
+    x = torch.randn(4, 8)
+    counter.hold(x)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        model(x).sum().backward()
+    bn = model[1]
+    held = {t.untyped_storage().data_ptr() for t in (bn.running_mean, bn.running_var)}
+    assert not held & set(counter.storages)
+    # the linear's output (the norm's input), the norm's batch mean and inverse deviation,
+    # and the ReLU's result
+    assert sorted(counter.storages.values()) == [64, 64, 256, 256]
