@@ -96,7 +96,8 @@ class ControllerConfig:
             together (up to 11x under the truth on the test CNN).
         guard: whether the convergence guard acts (NOTE [ Convergence guard ]).
         guard_bound: under ``bits=`` or a budget, the measured added variance, relative to
-            the minibatch gradient's own variance, past which the guard raises bits.
+            the minibatch gradient's own variance, past which the guard raises bits (0.3:
+            what a batch about a quarter smaller adds; policy.py says why).
         guard_tolerance: the loss trend check fires when the smoothed loss climbs back by
             this fraction of the drop so far (losses given to ``observe_loss``).
         solver: how the allocation is searched (:class:`~memctl.allocation.Method`):
@@ -141,7 +142,7 @@ class ControllerConfig:
     calibration_max_replays: int = 16
     calibration_groups: bool = False
     guard: bool = True
-    guard_bound: float = 1.0
+    guard_bound: float = 0.3
     guard_tolerance: float = 0.25
     solver: Method = Method.AUTO
     solver_time_limit_s: float = 0.05

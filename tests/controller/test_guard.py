@@ -83,6 +83,22 @@ def test_guard_raises_bits_of_an_injected_noisy_layer(caplog: pytest.LogCaptureF
     assert max(measured, key=lambda n: measured[n]) == "wiggle", measured
 
 
+def test_the_default_bound_raises_a_layer_that_adds_half_the_gradients_variance() -> None:
+    """Uniform 2 bits with a moderately wiggly layer add about half the minibatch gradient's
+    own variance at the first probe (what a batch a third smaller has): under the default
+    ``guard_bound`` (0.3) the guard raises that layer; at the old bound of 1.0 it did not."""
+    ctl = _train(freq=4.0, steps=3, bits=2, bit_choices=(2, 4, 8))
+    s = ctl.stats()
+    ctl.detach()
+    guard = [e for e in s["events"] if e["kind"] == "guard"]
+    assert guard and "wiggle" in guard[0]["message"], s["events"]
+    assert {e["name"]: e for e in s["layers"]}["wiggle"]["next_bits"] >= 4
+    loose = _train(freq=4.0, steps=3, bits=2, bit_choices=(2, 4, 8), guard_bound=1.0)
+    s = loose.stats()
+    loose.detach()
+    assert not [e for e in s["events"] if e["kind"] == "guard"], s["events"]
+
+
 def test_guard_stays_quiet_on_a_smooth_layer() -> None:
     ctl = _train(freq=1.0, bits=2, bit_choices=(2, 4, 8))
     s = ctl.stats()
