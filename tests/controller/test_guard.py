@@ -164,3 +164,51 @@ def test_observe_loss_feeds_the_guard() -> None:
         ctl.observe_loss(torch.tensor(v))
     assert ctl._guard.loss_turning(step=20)
     ctl.detach()
+
+
+def test_a_layer_that_adds_its_bits_to_a_root_is_raised_to_a_width_that_widens_it() -> None:
+    """NOTE [ Convergence guard ]: a root at 2 bits plus 2 is held at 4, plus 4 at 4 too (6
+    rounds down to the codec's widths), so the guard raises such a layer to the widest width,
+    which widens any root under it; a layer with its own records goes one width up; one whose
+    root is half precision or already 8 bits, nowhere."""
+    assert LayerNoise("own", 2.0, 1.0).next_width((1, 2, 4, 8)) == 4.0
+    assert LayerNoise("derived", 2.0, 1.0, root_bits=2).next_width((1, 2, 4, 8)) == 8.0
+    assert LayerNoise("derived", 2.0, 1.0, root_bits=4).next_width((1, 2, 4, 8)) == 8.0
+    assert LayerNoise("derived", 1.0, 1.0, root_bits=2).next_width((1, 2, 4, 8)) == 8.0
+    assert LayerNoise("derived", 2.0, 1.0, root_bits=8).next_width((1, 2, 4, 8)) is None
+    assert LayerNoise("wide", 2.0, 1.0, root_bits=16).next_width((1, 2, 4, 8)) is None
+    guard = ConvergenceGuard(tolerance=0.25, choices=(1, 2, 4, 8))
+    raised = guard.raise_bits([LayerNoise("wide", 2.0, 9.0, root_bits=16), LayerNoise("derived", 2.0, 5.0, 2),
+                               LayerNoise("own", 2.0, 1.0)], 0.5, step=3)
+    assert raised == [("derived", 2.0, 8.0)]
+
+
+def test_the_guard_widens_the_root_of_a_layer_without_records_of_its_own() -> None:
+    """A linear layer after a SiLU keeps no record of its own input: its bits go to the SiLU's
+    input record. The guard's floor for it moves that record to 8 bits, where a floor of 4
+    would leave it at the 4 bits that 2 + 2 give it already."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, bit_choices=(2, 4, 8), monitor_interval_s=0, min_numel=64,
+                            calibration_fraction=0)
+
+    def step() -> None:
+        model(torch.randn(64, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    layers = ctl._layers
+    assert layers["2"].root_bits == 2 and layers["1"].root_bits is None  # the SiLU keeps its own
+    before = layers["2"].packed_bytes
+    assert ctl._raise_bits([layers["2"]], 1.0, 1.0, "a test")
+    assert ctl._guard.floors == {"2": 8.0}
+    ctl._reallocate("a test")
+    step()
+    s = ctl.stats()
+    ctl.detach()
+    assert [e for e in s["events"] if e["kind"] == "guard"]
+    # the root grew from 2 bits to 8, counted in the layer that asked for it
+    assert layers["2"].packed_bytes > before
