@@ -294,8 +294,7 @@ _PIN_SURPLUS = 16384
 def _note_root(rec: LayerStep, width: int, bits: int, source: torch.Tensor) -> None:
     """``rec``'s layer added ``bits`` to a root record of ``width`` bits (NOTE [ Outputs
     recomputed from the input ]): where all its tensors did, the guard raises it by what moves
-    that root (NOTE [ Convergence guard ]). A root re-encoded with none of the layer's bits
-    (a chain's re-encode) is not counted."""
+    that root (NOTE [ Convergence guard ]). A root re-encoded with nothing added is not its."""
     if bits > 0:
         rec.root_bits = width if rec.root_bits is None else max(rec.root_bits, width)
         rec.root_numel += source.numel()

@@ -71,7 +71,7 @@ class LayerStep:
     """The widest record this layer's bits were added to, at its width before (NOTE [ Outputs
     recomputed from the input ]); None where none was."""
     root_numel: int = 0
-    """Values of the roots this layer's bits went to (as many as its tensors kept that way)."""
+    """Values of this layer's tensors kept that way, as their roots' bits."""
     tensors: int = 0
     # scalar tensors, or floats where the value was already on the host (NOTE [ One read-back per step ])
     range_terms: list[torch.Tensor | float] = field(default_factory=list)
