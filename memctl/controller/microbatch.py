@@ -104,8 +104,6 @@ def _merge(a: LayerStep, b: LayerStep) -> LayerStep:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if f.name == "element_size":
             value: Any = max(x, y)
-        elif f.name == "root_bits":  # the widest root either saw (None: neither)
-            value = x if y is None else y if x is None else max(x, y)
         elif isinstance(x, list):
             value = [*x, *y]
         else:

@@ -212,15 +212,3 @@ def test_the_guard_widens_the_root_of_a_layer_without_records_of_its_own() -> No
     assert [e for e in s["events"] if e["kind"] == "guard"]
     # the root grew from 2 bits to 8, counted in the layer that asked for it
     assert layers["2"].packed_bytes > before
-
-
-def test_micro_batches_merge_the_roots_their_layers_added_bits_to() -> None:
-    """Two forwards before one backward merge their layers' records (NOTE [ Micro-batches ]):
-    the widest root either saw, its values summed."""
-    from memctl.controller.microbatch import _merge
-    from memctl.controller.stats import LayerStep
-
-    merged = _merge(LayerStep(root_bits=2, root_numel=10), LayerStep(root_bits=4, root_numel=6))
-    assert (merged.root_bits, merged.root_numel) == (4, 16)
-    assert _merge(LayerStep(), LayerStep(root_bits=2, root_numel=3)).root_bits == 2
-    assert _merge(LayerStep(), LayerStep()).root_bits is None
