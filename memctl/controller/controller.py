@@ -701,8 +701,7 @@ class Controller:
 
     def _raise_bits(self, layers: list[LayerState], fallback_g2: float, excess: float, why: str) -> bool:
         noise = [LayerNoise(s.name, self._choice_for(s.name)[0],
-                            self._calibration.estimate(s, fallback_g2, self._choice_for(s.name)[0]),
-                            s.root_bits)
+                            self._calibration.estimate(s, fallback_g2, self._choice_for(s.name)[0]))
                  for s in layers if self._choice_for(s.name)[0] < KEEP_BITS]
         raised = self._guard.raise_bits(noise, excess, self._step)
         if not raised:

@@ -17,24 +17,12 @@ controller re-solves at once, records a ``guard`` event and logs a warning. Floo
 a guard that fires again raises them further. Under a budget the floors may make the
 budget unreachable; that is reported (``guard_budget`` event, a warning and the batch
 size at which the guarded bits fit), never obeyed by dropping the floors.
-
-A layer whose tensors keep no record of their own but add its bits to a root record (NOTE
-[ Outputs recomputed from the input ]) goes to the widest width instead. The root takes the
-chain's bits within the codec's widths and within the bytes the records held, so one width
-up can leave it where it was: a root at 2 bits plus 2 is held at 4, plus 4 at 4 as well (6
-rounds down), and 4 + 4 stays at 4 (an 8-bit record's groups cost more than two 4-bit
-ones); which of these a step meets depends on the order the chain was packed in (a root's
-width differs between the first forward and the later ones). Plus 8 widens any root under
-8 bits. On EfficientNet-B0 at ``bits=2`` a raise of two depthwise convolutions to 4 bits
-left every record and the losses as they were, bit for bit.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-from memctl.controller.derived import width_within
 
 __all__ = ["ConvergenceGuard", "LayerNoise"]
 
@@ -50,19 +38,6 @@ class LayerNoise:
     name: str
     bits: float
     variance: float
-    root_bits: int | None = None
-    """The width of the root record its bits go to (``LayerState.root_bits``); None: its own."""
-
-    def next_width(self, choices: tuple[int, ...]) -> float | None:
-        """The width the guard raises the layer to: the least of ``choices`` above :attr:`bits`,
-        or, where its bits go to a root record, the widest if that widens the root (None: nothing
-        above holds its values finer; NOTE [ Convergence guard ])."""
-        root = self.root_bits
-        if root is None:
-            return next((float(b) for b in choices if b > self.bits), None)
-        top = max(choices)
-        widens = width_within(root + top) > width_within(root + int(self.bits))
-        return float(top) if top > self.bits and widens else None
 
 
 @dataclass
@@ -107,11 +82,9 @@ class ConvergenceGuard:
 
     def raise_bits(self, layers: list[LayerNoise], excess_fraction: float,
                    step: int) -> list[tuple[str, float, float]]:
-        """Floor the largest contributors one bit width up (:meth:`LayerNoise.next_width`);
-        returns (layer, old bits, new floor)."""
+        """Floor the largest contributors one bit width up; returns (layer, old bits, new floor)."""
         self._last_action = step
-        ranked = sorted((s for s in layers if s.next_width(self.choices) is not None),
-                        key=lambda s: -s.variance)
+        ranked = sorted((s for s in layers if s.bits < self.choices[-1]), key=lambda s: -s.variance)
         if not ranked:
             return []
         total = sum(s.variance for s in ranked)
@@ -123,7 +96,7 @@ class ConvergenceGuard:
                 break
             if total <= 0 and s.bits > min(x.bits for x in ranked):
                 continue
-            up = s.next_width(self.choices)
+            up = next((float(b) for b in self.choices if b > s.bits), None)
             if up is None:
                 continue
             self.floors[s.name] = max(self.floors.get(s.name, 0.0), up)

@@ -291,15 +291,6 @@ _PIN_SURPLUS = 16384
 (NOTE [ Small views of large tensors ])."""
 
 
-def _note_root(rec: LayerStep, width: int, bits: int, source: torch.Tensor) -> None:
-    """``rec``'s layer added ``bits`` to a root record of ``width`` bits (NOTE [ Outputs
-    recomputed from the input ]): where all its tensors did, the guard raises it by what moves
-    that root (NOTE [ Convergence guard ]). A root re-encoded with nothing added is not its."""
-    if bits > 0:
-        rec.root_bits = width if rec.root_bits is None else max(rec.root_bits, width)
-        rec.root_numel += source.numel()
-
-
 def _held_small(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     """What a small tensor held as it is keeps: ``t`` detached, or a copy of its own values
     when it is a view of a much larger storage (NOTE [ Small views of large tensors ])."""
@@ -1901,7 +1892,6 @@ class Packer:
         the encode failed; both records then stay as they are."""
         old = root.data
         if is_wide(old):
-            _note_root(rec, WIDE_BITS, bits, source)
             return True  # half precision already holds more than any sum of widths
         if not isinstance(old, Packed):
             return False
@@ -1935,7 +1925,6 @@ class Packer:
             self.timings.observe_encode(time.perf_counter() - start)
             root.data = p
             rec.packed_bytes += p.nbytes - old.nbytes  # the bytes the derived record would have held
-        _note_root(rec, int(old.params["bits"]), bits, source)
         return True
 
     def _derive_normalized(self, t: torch.Tensor, bits: float, layer: str, rec: LayerStep,

@@ -99,7 +99,6 @@ def _layer(name: str, sd: Mapping[str, Any]) -> LayerState:
         "vmin": lambda k, v: _real(k, v, optional=True),
         "vmax": lambda k, v: _real(k, v, optional=True),
         "element_size": lambda k, v: _int(k, v, low=1, high=16),
-        "root_bits": lambda k, v: _int(k, v, low=1, high=16, optional=True),
         "batch": lambda k, v: _int(k, v, low=1),
     }
     for key in ("raw_bytes", "packed_bytes", "fixed_bytes", "mask_bytes", "other_bytes", "seen_steps",

@@ -67,11 +67,6 @@ class LayerStep:
     """Σ bits × values over the controlled tensors, at the bits they were saved with."""
     other_bytes: int = 0
     """Bytes of non-float saved tensors (kept lossless)."""
-    root_bits: int | None = None
-    """The widest record this layer's bits were added to, at its width before (NOTE [ Outputs
-    recomputed from the input ]); None where none was."""
-    root_numel: int = 0
-    """Values of this layer's tensors kept that way, as their roots' bits."""
     tensors: int = 0
     # scalar tensors, or floats where the value was already on the host (NOTE [ One read-back per step ])
     range_terms: list[torch.Tensor | float] = field(default_factory=list)
@@ -107,10 +102,6 @@ class LayerState:
     vmin: float | None = None
     vmax: float | None = None
     used_bits: float | None = None
-    root_bits: int | None = None
-    """Where every controlled tensor of the last step kept no record of its own but added the
-    layer's bits to a root's (NOTE [ Outputs recomputed from the input ]): the widest root's
-    width before; a floor of ``b`` bits then holds it at ``width_within(root_bits + b)``."""
     seen_steps: int = 0
     grad_step: int = 0
     """``seen_steps`` when ``ema_grad_sq`` was last updated (NOTE [ Sparse gradient statistics ])."""
@@ -138,7 +129,6 @@ class LayerState:
         self.seen_steps += 1
         total = sum(step.numels)
         self.used_bits = step.bit_values / total if total else None
-        self.root_bits = step.root_bits if total and step.root_numel >= total else None
         if not later:
             self.fold(step, read_scalars([step])[0] if scalars is None else scalars, decay=decay)
 
