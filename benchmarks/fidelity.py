@@ -458,8 +458,8 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         if config == "varcheck":
             from variance_audit import audit
 
-            x, y = batches[-1]
-            result["audit"] = audit(ctl, lambda: loss_of(spec, model, x, y))
+            distinct = batches[-4:]  # make_batches cycles over 4; the last batch last
+            result["audit"] = audit(ctl, [lambda x=x, y=y: loss_of(spec, model, x, y) for x, y in distinct])
         ctl.detach()
     else:
         result["saved_bytes"] = sum(counter.storages.values())
@@ -500,8 +500,6 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
     another width), ``unmeasured`` (the per-width factor fitted to uniform replays, or the
     largest measured factor).
     """
-    from memctl.controller.stats import median_grad_sq
-
     cal = ctl._calibration
     record = cal.record
     seen: list[dict[str, Any]] = []
@@ -513,7 +511,7 @@ def _watch_predictions(ctl: Any) -> list[dict[str, Any]]:
         if state is not None:
             mine = cal.measured.get(layer, {})
             kind = "repeat" if bits in mine else ("other_width" if mine else "unmeasured")
-            before = cal.estimate(state, median_grad_sq(states), bits)
+            before = cal.estimate(state, cal.median_grad_sq(states), bits)  # the controller's median
             seen.append({"layer": layer, "bits": bits, "measured": value, "predicted": before,
                          "closed_form": predicted, "kind": kind, "step": step})
         record(layer, bits, value, predicted, step)
