@@ -134,6 +134,42 @@ same layers at both ends. A probe takes its median over all that have one now, a
 RegNetY's step-10 re-solve: 88 layers at 2 bits and 24 at 4, none at 8, the estimates at 2 bits
 of the blocks' last batch norms 0.02-0.06.
 
+NOTE [ Widths a record is stored at ]
+A layer given ``b`` bits does not always store its records at ``b``: the input of a
+value-dependent op (GELU, SiLU, hardswish, ELU, ...) whose output no record holds is encoded
+again at twice its bits, at most 8 (NOTE [ Outputs recomputed from the input ] in derived.py).
+A probe replays one layer at a time with every other layer exact, so the next layer's record
+of the op's output is a copy and the op's input is raised in every such replay: measured "at
+2 bits" it was stored at 4, "at 4" and "at 8" at 8. Pooled under the law of the nominal widths
+(NOTE [ Pooling the widths from 2 bits up ]) those draws mixed 4- and 8-bit records as if they
+were 2- and 4-bit ones: at the end of ViT-Tiny's ``varcheck`` run (``benchmarks/fidelity.py``)
+every MLP's GELU input was predicted 53-115x over the fresh draws at 4 bits and 4-8x under
+at 8, where the draws at 4 and 8 bits were the same to a few percent.
+
+So each replay says which layers' records it stored wider (``Replayer.raised``, from the
+``raised_values`` its packer counted), a layer measured below 8 bits is marked by the last
+such replay (``note_width``), and for a marked layer every closed form, measurement and law
+between widths uses the width stored (``stored_bits``: ``min(8, 2b)``): 4 and 8 bits then
+predict the same, 1 bit is a 2-bit record (no 1-bit excess), and an 8-bit measurement speaks
+for every width stored at 8. What training stores for the same layer can differ (there the
+op's output record is compressed too and may be derived from the input: NOTE [ Outputs
+recomputed from the input ]); the model predicts what its replays measure, as before.
+
+NOTE [ Stale widths give way ]
+The schedule measures the stalest pairs, but once every layer is measured the probes take a
+fifth of the share (NOTE [ Probe cost ]) and measure a few pairs each. Over 300 steps of
+``benchmarks/convergence.py``'s text model at ``bits=2`` (``--audit 4``: fresh replays at the
+last step) the three blocks' GELU inputs were predicted 7-26x under at 2 bits; the first had
+been measured at 2 bits at step 0 and at 1 bit at step 140, and the estimate at 2 bits, which
+keeps its own running mean (NOTE [ Pooling the widths from 2 bits up ]), stood on the step-0
+draw, where the 1-bit draw, moved by the law between the widths stored (NOTE [ Widths a
+record is stored at ]: 2 and 4 bits), was within 2.2x. So when another width of the same
+layer whose records follow the law (stored at 2 bits or more: not a 1-bit record, whose
+excess over the law is its own) was measured more than ``_STALE_STEPS`` (50) steps after a
+measurement of the layer, that older one is left out of every estimate (its own width's,
+the pool's): the newer ones speak for its width, moved by the law and their own drift. A
+run of a few tens of steps, whose probes come every few steps, never meets the condition.
+
 NOTE [ Unmeasured layers ]
 Per-layer factors over the closed form span more than three orders of magnitude within
 one network (on MobileNetV3, 8e-5 for a BatchNorm input and 0.28 for the hardswish input
@@ -242,11 +278,12 @@ drift (its closed form borrows the median output gradient) nor the outlier rules
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from memctl.controller.config import KEEP_BITS, ControllerConfig
+from memctl.controller.derived import DERIVED_MAX_BITS
 from memctl.controller.outliers import SUSPECT, robust_value
 from memctl.controller.stats import LayerState, median_grad_sq
 
@@ -255,6 +292,9 @@ __all__ = ["EIGHT_BIT_RANGES", "Calibration", "Measurement", "closed_form", "law
 # 1-bit over 2-bit noise factor assumed until one is measured (ResNet-18 shows up to ~7.5).
 _DEFAULT_ONE_BIT_EXCESS = 8.0
 _DRIFT_CLIP = 2.0
+_STALE_STEPS = 50
+"""A measurement this many steps older than one of the same layer at another width gives way
+to it (NOTE [ Stale widths give way ])."""
 _EMA = 0.5
 _WINDOW = 5
 _DOUBT_LOW = 100.0
@@ -321,6 +361,9 @@ class Calibration:
     def __init__(self, config: ControllerConfig) -> None:
         self._config = config
         self.measured: dict[str, dict[int, Measurement]] = {}
+        self.raised: set[str] = set()
+        """Layers whose records a replay stored at twice their bits (NOTE [ Widths a record is
+        stored at ])."""
         self.grad_sq: float | None = None
         """EMA of the exact gradient's squared norm at the probes: what one stored unit of
         added variance is worth now (NOTE [ Gradient scale ]); None before a probe."""
@@ -458,16 +501,18 @@ class Calibration:
         if bits >= KEEP_BITS:
             return 0.0
         b = int(bits)
-        raw = closed_form(state, fallback_g2, b)
-        mine = _speaking_for(b, self.measured.get(state.name, {}))
+        stored = self.stored_bits(state.name, b)  # NOTE [ Widths a record is stored at ]
+        raw = closed_form(state, fallback_g2, stored)
+        mine = self._fresh(state.name, self._speaking(state.name, stored))  # NOTE [ Stale widths give way ]
         unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
         p = raw * self._level(unit, fallback_g2)
         # NOTE [ Gradient scale between probes ]: a measured layer drifts with its share
         share_now = raw / fallback_g2 if fallback_g2 > 0 else 0.0
-        pooled = _pooled(mine) if b > 2 or (b == 2 and 2 not in mine) else None
+        pooled = (_pooled(mine, lambda k: self.stored_bits(state.name, k))
+                  if b > 2 or (b == 2 and 2 not in mine) else None)
         if pooled is not None:  # NOTE [ Pooling the widths from 2 bits up ]
             scale, closed_scale, share_scale = pooled
-            step = law(b)
+            step = law(stored)
             drift = (_drift(share_now, share_scale / step) if share_scale is not None
                      else _drift(p / unit, closed_scale / step))
             return scale / step * drift * unit
@@ -479,18 +524,64 @@ class Calibration:
         if mine:
             near = min(mine, key=lambda k: (abs(k - b), -k))
             m = mine[near]
-            value = m.value * _law(b, near, raw, closed_form(state, fallback_g2, near)) * unit
-            if b == 1 and near >= 2:
+            near_raw = closed_form(state, fallback_g2, self.stored_bits(state.name, near))
+            value = m.value * _law(stored, self.stored_bits(state.name, near), raw, near_raw) * unit
+            if stored == 1 and near >= 2:
                 value *= self.one_bit_excess()
             return value
         fitted = _speaking_for(b, self.width_factors)
         if fitted:
             near = min(fitted, key=lambda k: (abs(k - b), -k))
             # a width not fitted (1 bit) takes the nearest one's factor, times the 1-bit excess
-            excess = self.one_bit_excess() if b == 1 and near >= 2 else 1.0
+            excess = self.one_bit_excess() if stored == 1 and near >= 2 else 1.0
             return fitted[near] * p * excess
         largest = self._largest_factor(b)
         return p if largest is None else largest * p
+
+    def _fresh(self, layer: str, mine: dict[int, Measurement]) -> dict[int, Measurement]:
+        """``mine`` without the measurements at widths whose records follow the law (stored at 2
+        bits or more) taken more than :data:`_STALE_STEPS` steps before the newest such one
+        (NOTE [ Stale widths give way ])."""
+        follows = [m.step for k, m in mine.items() if self.stored_bits(layer, k) >= 2]
+        if len(follows) < 2:
+            return mine
+        oldest = max(follows) - _STALE_STEPS
+        return {k: m for k, m in mine.items() if m.step >= oldest or self.stored_bits(layer, k) < 2}
+
+    def note_width(self, layer: str, bits: int, raised: bool) -> None:
+        """What a replay of ``layer`` at ``bits`` stored: its records raised to twice the bits
+        or not (NOTE [ Widths a record is stored at ]). At the widest width no record can be
+        raised, so it says nothing."""
+        if int(bits) >= DERIVED_MAX_BITS:
+            return
+        if raised:
+            self.raised.add(layer)
+        else:
+            self.raised.discard(layer)
+
+    def stored_bits(self, layer: str, bits: int) -> int:
+        """The width ``layer``'s records are stored at when it is given ``bits`` (NOTE [ Widths
+        a record is stored at ])."""
+        b = int(bits)
+        if layer in self.raised and b < DERIVED_MAX_BITS:
+            return min(DERIVED_MAX_BITS, 2 * b)
+        return b
+
+    def closed_form(self, state: LayerState, fallback_g2: float, bits: float) -> float:
+        """:func:`closed_form` at the width the layer's records are stored at for ``bits``."""
+        if bits >= KEEP_BITS:
+            return 0.0
+        return closed_form(state, fallback_g2, self.stored_bits(state.name, int(bits)))
+
+    def _speaking(self, layer: str, stored: int) -> dict[int, Measurement]:
+        """The layer's measurements that may inform a prediction stored at ``stored`` bits:
+        :func:`_speaking_for` by the widths the records were stored at."""
+        mine = self.measured.get(layer, {})
+        if layer not in self.raised:
+            return _speaking_for(stored, mine)
+        if stored == 8 or all(self.stored_bits(layer, k) != 8 for k in mine):
+            return mine
+        return {k: m for k, m in mine.items() if self.stored_bits(layer, k) != 8}
 
     def _level(self, unit: float, fallback_g2: float) -> float:
         """What moves a closed form's overall scale as the unit (``unit``, now) has moved since
@@ -524,7 +615,7 @@ class Calibration:
             if self.measured.get(state.name):
                 explained += self.estimate(state, fallback_g2, bits)
             else:
-                closed += closed_form(state, fallback_g2, bits)
+                closed += self.closed_form(state, fallback_g2, bits)
         if not (closed > 0 and math.isfinite(closed)):
             return
         factor = max(added - explained, added / 4.0) / closed
@@ -617,7 +708,7 @@ class Calibration:
         for s in layers:
             for b, m in self.measured.get(s.name, {}).items():
                 score = 0.0
-                raw = closed_form(s, g2, b) if g2 > 0 else 0.0
+                raw = self.closed_form(s, g2, b) if g2 > 0 else 0.0
                 if raw > 0:
                     then = m.share  # the share among the layers, and the level against the unit
                     if then is not None:
@@ -677,6 +768,7 @@ class Calibration:
                                       list(m.closed_draws), list(m.shares)] for b, m in mine.items()}
                          for n, mine in self.measured.items()},
             "unsafe": dict(self.unsafe),
+            "raised": sorted(self.raised),
             "grad_sq": self.grad_sq,
             "grad_noise": self._noise,
             "train_sq": self._train_sq,
@@ -701,6 +793,8 @@ class Calibration:
                 }
         unsafe = state.get("unsafe") or {}
         self.unsafe = {str(k): int(v) for k, v in unsafe.items()} if isinstance(unsafe, dict) else {}
+        raised = state.get("raised") or []
+        self.raised = {str(n) for n in raised} if isinstance(raised, list | tuple) else set()
         g2, noise = state.get("grad_sq"), state.get("grad_noise")
         self.grad_sq = float(g2) if isinstance(g2, int | float) and g2 > 0 else None
         self._noise = float(noise) if isinstance(noise, int | float) else None
@@ -736,7 +830,8 @@ class Calibration:
         self._noise = None if self._noise is None else self._noise / unit
 
 
-def _pooled(mine: dict[int, Measurement]) -> tuple[float, float, float | None] | None:
+def _pooled(mine: dict[int, Measurement],
+            stored: Callable[[int], int] = int) -> tuple[float, float, float | None] | None:
     """The layer's measured and closed-form scales ``V · (2^b − 1)²``, pooled over widths >= 2.
 
     NOTE [ Pooling the widths from 2 bits up ]
@@ -762,7 +857,7 @@ def _pooled(mine: dict[int, Measurement]) -> tuple[float, float, float | None] |
         if b < 2 or m.closed_form <= 0:
             continue
         w = float(min(m.count, _WINDOW))
-        step = law(b)
+        step = law(stored(b))
         total += w
         scale += w * m.value * step
         closed += w * m.closed_form * step

@@ -2121,6 +2121,7 @@ class Packer:
         rec = self.record(saved.layer)
         rec.packed_bytes += p.nbytes - old.nbytes
         rec.mask_bytes += p.nbytes - old.nbytes
+        rec.raised_values += source.numel()
 
     def _region_code(self, data: torch.Tensor, part: Partition) -> RegionCode:
         bits = part.packed_plane(data)  # NOTE [ Fused channel passes ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from memctl.controller.calibration import Calibration, closed_form
+from memctl.controller.calibration import Calibration
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
 from memctl.controller.grouping import footprint, inside, plan, prior_footprints, shares, sound
 from memctl.controller.outliers import REDRAWS, absurd, robust_draws, robust_value, suspect
@@ -110,7 +110,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             _measure(job, by_name, calibration, result, config, fallback_g2, step, scale, sizes, prints,
                      lambda choice, salt: _distance(replayer, model, capture, choice, salt, exact_g,
                                                     calibration, result),
-                     seed + 7 + result.replays, record)
+                     seed + 7 + result.replays, record, lambda: replayer.raised)
         if calibration.unmeasured(layers):  # NOTE [ Unmeasured layers ]: after the layer measurements
             for bits in sorted(b for b in config.bit_choices if b >= 2):
                 uniform = _uniform(by_name, bits, config)
@@ -141,7 +141,8 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
 def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibration: Calibration,
              result: ProbeResult, config: ControllerConfig, fallback_g2: float, step: int, scale: float,
              sizes: list[int], footprints: dict[str, tuple[int, ...]],
-             draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int, record: bool) -> None:
+             draw: Callable[[ChoiceFn, int], torch.Tensor | None], salt: int, record: bool,
+             raised: Callable[[], frozenset[str]] = frozenset) -> None:
     """Measure one replay's layers: one alone, or a group whose errors stay in disjoint
     footprints (NOTE [ Several layers per replay ]); suspect draws re-probed (NOTE [ Robust
     measurements ])."""
@@ -155,6 +156,9 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
     delta = draw(choice, salt)
     if delta is None:
         return
+    widened = raised()  # NOTE [ Widths a record is stored at ] in calibration.py
+    for name, bits in job:
+        calibration.note_width(name, bits, name in widened)
     parts = shares(delta, sizes)
     total = float(delta.square().sum())
     if grouped and not (parts and sound(parts, prints.values())):
@@ -198,7 +202,8 @@ def _measure(job: list[tuple[str, int]], by_name: dict[str, LayerState], calibra
         if not math.isfinite(value):
             continue
         if record:
-            calibration.record(name, bits, value, closed_form(by_name[name], fallback_g2, bits), step)
+            closed = calibration.closed_form(by_name[name], fallback_g2, bits)
+            calibration.record(name, bits, value, closed, step)
         result.measured.append((name, bits, value))
 
 

@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from memctl.controller.calibration import closed_form
 from memctl.controller.probe import ProbeResult, run_probe
 from memctl.controller.stats import LayerState, grad_sq_names, median_grad_sq
 
@@ -187,7 +186,7 @@ def apply_share(ctl: Controller, share: ProbeShare) -> bool:
     for name, bits, value in share.measured:
         s = by_name.get(name)
         if s is not None:
-            cal.record(name, bits, value, closed_form(s, fallback_g2, bits), ctl._step)
+            cal.record(name, bits, value, cal.closed_form(s, fallback_g2, bits), ctl._step)
     if share.uniform and cal.unmeasured(layers):  # as run_probe fits them, after the layers
         for bits, value in share.uniform:
             cal.fit_width(bits, value, layers, fallback_g2)

@@ -87,6 +87,9 @@ class Replayer:
         self._walking = walking
         """Whether training's packs walk in full (:attr:`Packer.walking`): its replays walk as it
         does (NOTE [ Walks that find nothing ] in walks.py)."""
+        self.raised: frozenset[str] = frozenset()
+        """The layers whose records the last replay stored at twice their bits (NOTE [ Widths a
+        record is stored at ] in calibration.py)."""
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
         cuda_rng = None
@@ -155,7 +158,8 @@ class Replayer:
                 got = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
         finally:
             self._tracker.on_exit = on_exit
-            packer.finish_step()
+            records = packer.finish_step()
+            self.raised = frozenset(name for name, rec in records.items() if rec.raised_values)
             self._tracker.reset()
         return torch.cat([
             (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float()

@@ -63,6 +63,10 @@ class LayerStep:
     part of ``fixed_bytes`` (NOTE [ Small tensors kept as they are ] in controller.py)."""
     mask_bytes: int = 0
     """Bytes of the 1-bit ReLU masks its controlled tensors need when compressed."""
+    raised_values: int = 0
+    """Values of its records stored at twice the layer's bits: a value-dependent op's input
+    whose output no record holds (NOTE [ Outputs recomputed from the input ] in derived.py;
+    NOTE [ Widths a record is stored at ] in calibration.py)."""
     bit_values: float = 0.0
     """Σ bits × values over the controlled tensors, at the bits they were saved with."""
     other_bytes: int = 0

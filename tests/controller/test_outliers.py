@@ -75,6 +75,7 @@ class _ScriptedReplayer:
     def __init__(self, layer: str, script: list[float], ordinary: float) -> None:
         self.layer, self.script, self.ordinary = layer, list(script), ordinary
         self.calls = 0
+        self.raised: frozenset[str] = frozenset()  # no record stored wider than its layer's bits
 
     def gradient(self, model: Any, capture: Any, choice_for: Any, seed: int,
                  part: tuple[int, int] | None = None) -> torch.Tensor:
