@@ -45,6 +45,13 @@ counter sees in the plain run against the real buffer sizes of the records memct
 hook returned, at the last step, the parameters and the batch left out of both), the
 average bits, guard events, and the wall time of the training loop. Prints figures, asserts
 nothing; progress goes to stderr.
+
+``--audit N`` (with a memctl configuration) ends each run with the audit of ``benchmarks/
+variance_audit.py``: the variance model's prediction for the 12 largest layers (``--audit-layers``)
+at every width
+against fresh replays at the final weights, on ``N`` batches drawn as the training batches
+are but with another generator, so the run never stepped on them in that order (the next
+steps' kind of batch, where ``fidelity.py``'s audit has only the four it cycles over).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import platform
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +197,8 @@ class Task:
             _saved_bytes_plain(self.model, xtr[:128], ytr[:128])
             idx = [torch.randint(0, len(xtr), (128,), generator=g) for _ in range(steps)]
             self.batches = [(xtr[i], ytr[i]) for i in idx]
+            self._draw: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]] = (
+                lambda gen: (lambda i: (xtr[i], ytr[i]))(torch.randint(0, len(xtr), (128,), generator=gen)))
         else:
             train, val = stdlib_docstrings()
             ctx, batch = 64, 16
@@ -200,9 +210,13 @@ class Task:
             else:
                 self.model = CausalLM(layers=3, ctx=ctx, explicit=name == "text-explicit")
                 self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+            def window(st: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return (torch.stack([tr[s:s + ctx] for s in st.tolist()]),
+                        torch.stack([tr[s + 1:s + ctx + 1] for s in st.tolist()]))
+
             starts = [torch.randint(0, len(tr) - ctx - 1, (batch,), generator=g) for _ in range(steps)]
-            self.batches = [(torch.stack([tr[s:s + ctx] for s in st.tolist()]),
-                             torch.stack([tr[s + 1:s + ctx + 1] for s in st.tolist()])) for st in starts]
+            self.batches = [window(st) for st in starts]
+            self._draw = lambda gen: window(torch.randint(0, len(tr) - ctx - 1, (batch,), generator=gen))
             vstarts = torch.linspace(0, len(va) - ctx - 2, 64).long().tolist()
             self.xval = torch.stack([va[s:s + ctx] for s in vstarts])
             self.yval = torch.stack([va[s + 1:s + ctx + 1] for s in vstarts])
@@ -210,6 +224,11 @@ class Task:
         # --schedule (module docstring): a cosine decay to zero over the run, or none
         self.scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=steps)
                           if schedule == "cosine" else None)
+
+    def fresh_batches(self, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` batches drawn as the training batches are, from another generator (``--audit``)."""
+        gen = torch.Generator().manual_seed(seed + 7777)
+        return [self._draw(gen) for _ in range(n)]
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
@@ -235,7 +254,8 @@ def _fidelity() -> Any:
 
 
 def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
-               observe_loss: bool, extra: dict[str, Any], schedule: str = "constant") -> dict[str, Any]:
+               observe_loss: bool, extra: dict[str, Any], schedule: str = "constant",
+               audit_batches: int = 0, audit_layers: int = 12) -> dict[str, Any]:
     if threads > 0:
         torch.set_num_threads(threads)
     import memctl
@@ -326,6 +346,12 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
         result["calibration"] = s["calibration"]
         result["guard_messages"] = [f"step {e.get('step')}: {e.get('message')}" for e in s["events"]
                                     if e.get("kind") == "guard"]
+        if audit_batches > 0:
+            from variance_audit import audit
+
+            fresh = task.fresh_batches(audit_batches, seed)
+            result["audit"] = audit(ctl, [lambda x=x, y=y: task.loss(x, y) for x, y in fresh],
+                                    layers=audit_layers)
         ctl.detach()
     else:
         result["saved_bytes"] = sum(counter.storages.values())
@@ -334,9 +360,11 @@ def run_worker(task_name: str, config: str, steps: int, seed: int, threads: int,
 
 # -- the driver ---------------------------------------------------------------------------------
 def _run_config(task: str, config: str, steps: int, seed: int, timeout: float, threads: int,
-                observe_loss: bool, options: list[str], jitter: float, schedule: str) -> dict[str, Any]:
+                observe_loss: bool, options: list[str], jitter: float, schedule: str,
+                audit_batches: int = 0, audit_layers: int = 12) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", task, config, "--steps", str(steps),
-           "--seeds", str(seed), "--threads", str(threads), "--schedule", schedule]
+           "--seeds", str(seed), "--threads", str(threads), "--schedule", schedule,
+           "--audit", str(audit_batches), "--audit-layers", str(audit_layers)]
     cmd += ["--observe-loss"] if observe_loss else []
     cmd += [arg for option in options for arg in ("--option", option)]
     cmd += ["--jitter", str(jitter)]
@@ -402,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", choices=SCHEDULES, default="constant",
                     help="learning rate over the run, the same in every configuration: constant (the "
                          "demo's --lr-schedule constant) or a cosine decay to zero (the demo's default)")
+    ap.add_argument("--audit", type=int, default=0, metavar="N",
+                    help="end each memctl run with the variance model's audit on N fresh batches")
+    ap.add_argument("--audit-layers", type=int, default=12, metavar="K",
+                    help="the audit's layers: the K largest (default 12)")
     ap.add_argument("--worker", nargs=2, metavar=("TASK", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write every result to this file")
     args = ap.parse_args(argv)
@@ -410,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in args.option)}
         extra["jitter"] = args.jitter
         result = run_worker(args.worker[0], args.worker[1], args.steps, seeds[0], args.threads,
-                            args.observe_loss, extra, args.schedule)
+                            args.observe_loss, extra, args.schedule, args.audit, args.audit_layers)
         print("RESULT " + json.dumps(result))
         return 0
     tasks = [t for t in args.tasks.split(",") if t]
@@ -436,10 +468,15 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 _progress(f"{task}: {config}, seed {seed}")
                 r = _run_config(task, config, args.steps, seed, args.timeout, args.threads, args.observe_loss,
-                                args.option, args.jitter, args.schedule)
+                                args.option, args.jitter, args.schedule, args.audit, args.audit_layers)
                 results[(config, seed)] = r
                 everything.append(r)
                 print(row(r, results.get(("plain", seed))), flush=True)
+                if r.get("audit"):
+                    from variance_audit import summarise_audit
+
+                    for line in summarise_audit(f"{task}/{config}/seed {seed}", r["audit"], per_batch=False):
+                        print(line, flush=True)
         for line in summary(task, results, seeds, configs):
             print(line, flush=True)
     if args.json:

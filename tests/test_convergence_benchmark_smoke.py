@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "convergence.py"
 
@@ -60,3 +63,32 @@ def test_cosine_schedule_decays_the_learning_rate_to_zero_and_constant_keeps_it(
     assert rates["constant"] == ([2e-3] * 8, 2e-3)
     cosine, last = rates["cosine"]
     assert cosine[0] == 2e-3 and all(a > b for a, b in itertools.pairwise(cosine)) and last < 1e-9
+
+
+def test_convergence_benchmark_audits_the_variance_model_on_fresh_batches() -> None:
+    """``--audit N`` ends a memctl run with the variance model's audit on N batches the run never
+    stepped on in that order (``benchmarks/variance_audit.py``); one batch and two layers here."""
+    out = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--tasks", "digits", "--steps", "3", "--configs", "bits2",
+         "--audit", "1", "--audit-layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.strip() for line in out.stdout.splitlines()
+             if line.strip().startswith("audit digits/bits2")]
+    assert len(lines) == 2, out.stdout  # the audit, and the same over each side's scale
+    found = re.search(r"over 1 batch within 2x: (\d+)/(\d+) ", lines[0])
+    assert found is not None and int(found.group(2)) == 8, lines[0]  # 2 layers at each of 4 widths
+    assert "each batch alone" not in out.stdout  # fresh batches have no training order
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        import convergence
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
+    task = convergence.Task("digits", 0, 4)
+    fresh = task.fresh_batches(2, 0)
+    assert len(fresh) == 2 and fresh[0][0].shape == task.batches[0][0].shape
+    assert not torch.equal(fresh[0][0], task.batches[0][0])  # another draw than training's
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(fresh, task.fresh_batches(2, 0), strict=True))
