@@ -636,12 +636,13 @@ class Calibration:
         return max(floors) if floors else None
 
     def one_bit_excess(self) -> float:
-        """Largest (1-bit factor) / (2-bit factor) over layers measured at both."""
+        """Largest (1-bit factor) / (2-bit factor) over layers measured at both, but those whose
+        1 bit is a 2-bit record (NOTE [ Widths a record is stored at ])."""
         ratios = [
             (mine[1].value / mine[1].closed_form) / (mine[2].value / mine[2].closed_form)
-            for mine in self.measured.values()
+            for name, mine in self.measured.items()
             if 1 in mine and 2 in mine and mine[1].closed_form > 0 and mine[2].closed_form > 0
-            and mine[2].value > 0
+            and mine[2].value > 0 and name not in self.raised
         ]
         return max(max(ratios), 1.0) if ratios else _DEFAULT_ONE_BIT_EXCESS
 

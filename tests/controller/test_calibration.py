@@ -476,6 +476,9 @@ def test_a_layer_stored_at_twice_its_bits_is_predicted_at_the_width_stored() -> 
     plain = Calibration(ControllerConfig())
     plain.record("a", 2, 0.5, closed_form(a, 1.0, 2), step=0)
     assert plain.estimate(a, 1.0, 4) == pytest.approx(0.5 * law(2) / law(4))
+    # its 1 and 2 bits (2- and 4-bit records) say nothing of what 1-bit records add over the law
+    cal.record("a", 1, 0.5 * law(4) / law(2), cal.closed_form(a, 1.0, 1), step=0)
+    assert cal.one_bit_excess() == 8.0  # the default, as with no layer measured at both
     # an 8-bit replay says nothing (no record is raised beyond 8), one at 2 bits unraised does
     cal.note_width("a", 8, False)
     assert "a" in cal.raised
