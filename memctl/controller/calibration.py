@@ -503,7 +503,8 @@ class Calibration:
         b = int(bits)
         stored = self.stored_bits(state.name, b)  # NOTE [ Widths a record is stored at ]
         raw = closed_form(state, fallback_g2, stored)
-        mine = self._fresh(state.name, self._speaking(state.name, stored))  # NOTE [ Stale widths give way ]
+        mine = self._fresh(state.name, _speaking_for(stored, self.measured.get(state.name, {}),
+                                                     lambda k: self.stored_bits(state.name, k)))
         unit = self.unit()  # NOTE [ Gradient scale ]: measurements are kept in units of it
         p = raw * self._level(unit, fallback_g2)
         # NOTE [ Gradient scale between probes ]: a measured layer drifts with its share
@@ -572,16 +573,6 @@ class Calibration:
         if bits >= KEEP_BITS:
             return 0.0
         return closed_form(state, fallback_g2, self.stored_bits(state.name, int(bits)))
-
-    def _speaking(self, layer: str, stored: int) -> dict[int, Measurement]:
-        """The layer's measurements that may inform a prediction stored at ``stored`` bits:
-        :func:`_speaking_for` by the widths the records were stored at."""
-        mine = self.measured.get(layer, {})
-        if layer not in self.raised:
-            return _speaking_for(stored, mine)
-        if stored == 8 or all(self.stored_bits(layer, k) != 8 for k in mine):
-            return mine
-        return {k: m for k, m in mine.items() if self.stored_bits(layer, k) != 8}
 
     def _level(self, unit: float, fallback_g2: float) -> float:
         """What moves a closed form's overall scale as the unit (``unit``, now) has moved since
@@ -873,9 +864,12 @@ def _pooled(mine: dict[int, Measurement],
 _T = TypeVar("_T")
 
 
-def _speaking_for(bits: int, by_width: dict[int, _T]) -> dict[int, _T]:
-    """The entries of ``by_width`` that may inform a prediction at ``bits``: an 8-bit one only at
-    8 bits. NOTE [ Eight-bit groups ] in the quantize codec: 8 bits use groups of a quarter
+def _speaking_for(bits: int, by_width: dict[int, _T],
+                  stored: Callable[[int], int] = int) -> dict[int, _T]:
+    """The entries of ``by_width`` that may inform a prediction stored at ``bits``: one stored at 8
+    bits only at 8 bits (``stored``: the width an entry's records were stored at, NOTE [ Widths a
+    record is stored at ]; stale entries are left out by the caller, NOTE [ Stale widths give way ]).
+    NOTE [ Eight-bit groups ] in the quantize codec: 8 bits use groups of a quarter
     the size, whose ranges shrink by :data:`EIGHT_BIT_RANGES` on most tensors but by far more
     where the quarters fall on structure (MobileOne's batch-norm inputs, 8x8 channel planes of
     different scales: one step at 8 bits, whole-gradient cosine 0.81 in groups of 256, 0.98 in
@@ -885,9 +879,9 @@ def _speaking_for(bits: int, by_width: dict[int, _T]) -> dict[int, _T]:
     measured at 2 bits, this rule left that allocation as it was, and other seeds moved the
     other way.) Moved the other way, from the configured groups to 8 bits, the law only
     overstates what 8 bits add."""
-    if bits == 8 or 8 not in by_width:
+    if bits == 8 or all(stored(k) != 8 for k in by_width):
         return by_width
-    return {k: v for k, v in by_width.items() if k != 8}
+    return {k: v for k, v in by_width.items() if stored(k) != 8}
 
 
 def _law(b: int, k: int, p_b: float, p_k: float) -> float:
