@@ -170,6 +170,16 @@ measurement of the layer, that older one is left out of every estimate (its own 
 the pool's): the newer ones speak for its width, moved by the law and their own drift. A
 run of a few tens of steps, whose probes come every few steps, never meets the condition.
 
+The same age ends a width's own window: a draw taken more than ``_STALE_STEPS`` steps after
+the window's last starts it again (the first GELU input's 2-bit draws at steps 0 and 150 were
+20x apart against ‖g‖², and their mean stood for neither). And a probe refreshes such pairs
+(2 bits and 1 bit measured more than ``_STALE_STEPS`` steps ago, oldest first) before it fills
+in widths above 2 bits that were never measured, which the law already covers: at the fifth
+share a probe of the text model measures four pairs, and two probes of 4-bit pairs, stored
+at 8 bits where the GELU inputs' records are raised, had left those inputs' 2-bit estimate on
+step 0's draw (a measurement stored at 8 bits does not speak for lower widths: NOTE [
+Eight-bit groups ]).
+
 NOTE [ Unmeasured layers ]
 Per-layer factors over the closed form span more than three orders of magnitude within
 one network (on MobileNetV3, 8e-5 for a BatchNorm input and 0.28 for the hardswish input
@@ -238,6 +248,19 @@ probe measures a layer at 1 bit beyond that only where its share allows, as befo
 there. The debt keeps the share: a larger probe is followed by a longer wait. Under a process
 group every rank must probe at the same steps, so ranks keep one probe per allocation step
 (NOTE [ Calibration across ranks ]).
+
+Once every layer is measured the same floor holds, over the pairs the schedule refreshes (the
+stalest, the doubtful, widths never measured), and a probe's debt is repaid at the share it ran
+under. Before, the probe that measured the last layers ran at the full share, then repaid its
+debt at the fifth, five times as slowly, and every later probe was four fixed replays around one
+pair: over 300 steps of ``benchmarks/convergence.py``'s text model at ``bits=2`` (69 ms a step,
+replays 57 ms) three probes ran, at steps 0, 170 and 240, four of six layers stood on step 0's
+draw at the end, and ``--audit 4`` found 7 of 24 (layer, width) pairs within 2x of fresh draws,
+the three GELU inputs 7-25x under at every width. Now three or four probes (steps 0, 30-50,
+150-170, and 260-270 when the clock allows) measure 6, 4, 4 and 4 pairs; with NOTE [ Stale
+widths give way ]'s order the audit finds 14-16 of 24 pairs within 2x at ``bits=2`` and 17-18
+at the default policy (7 and 8 before). Under a process group (every allocation step probes) a
+probe still measures what its share allows, at least one.
 
 NOTE [ Doubtful measurements ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -450,6 +473,8 @@ class Calibration:
         value, predicted = value / unit, predicted / unit
         mine = self.measured.setdefault(layer, {})
         old = mine.get(bits)
+        if old is not None and step - old.step > _STALE_STEPS:  # NOTE [ Stale widths give way ]
+            old = None
         draws = ((old.draws or (old.value,)) if old is not None else ()) + (value,)
         closed = ((old.closed_draws or (old.closed_form,)) if old is not None else ()) + (predicted,)
         draws, closed = draws[-_WINDOW:], closed[-_WINDOW:]
@@ -657,30 +682,37 @@ class Calibration:
         return [first, *[b for b in choices if b != first]]
 
     def schedule(self, layers: Iterable[LayerState], limit: int, fallback_g2: float | None = None,
-                 doubts_first: int = 0) -> list[tuple[str, int]]:
+                 doubts_first: int = 0, step: int | None = None) -> list[tuple[str, int]]:
         """Up to ``limit`` (layer, bits) pairs to measure next: up to ``doubts_first`` doubtful
-        measurements, the unmeasured pairs, the other doubtful ones, then the stalest (NOTE
-        [ Doubtful measurements ])."""
+        measurements, the unmeasured pairs (at ``step``, the widths above 2 bits after the pairs
+        gone stale, NOTE [ Stale widths give way ]), the other doubtful ones, then the stalest
+        (NOTE [ Doubtful measurements ])."""
         ranked = sorted(layers, key=lambda s: (-sum(s.numels), s.name))
         order = self.order()
         doubtful = self.doubtful(ranked, fallback_g2)
+        taken = set(doubtful)
+        names = {s.name for s in ranked}
+        stale = [(name, b) for _, name, b in sorted(
+            (m.step, name, b) for name, mine in self.measured.items() if name in names
+            for b, m in mine.items() if b in order[:2] and (name, b) not in taken)]
+        due = [] if step is None else [(name, b) for name, b in stale
+                                       if step - self.measured[name][b].step > _STALE_STEPS]
         pairs: list[tuple[str, int]] = doubtful[:doubts_first]
         for b in order:
+            if b > 2 and due:
+                pairs.extend(due)
+                due = []
             missing = [s for s in ranked if b not in self.measured.get(s.name, {})]
             if fallback_g2 is not None and fallback_g2 > 0:  # NOTE [ Which layers first ]
                 loud = sorted(missing, key=lambda s: -_finite(self.estimate(s, fallback_g2, b)))
                 missing = list({s.name: s for pair in zip(missing, loud, strict=True)
                                 for s in pair}.values())
             pairs.extend((s.name, b) for s in missing)
+        pairs.extend(due)
         pairs.extend(doubtful[doubts_first:])
         if len(pairs) < limit:
-            names = {s.name for s in ranked}
-            taken = set(doubtful)
-            stale = sorted(
-                ((m.step, name, b) for name, mine in self.measured.items() if name in names
-                 for b, m in mine.items() if b in order[:2] and (name, b) not in taken),
-            )
-            pairs.extend((name, b) for _, name, b in stale)
+            listed = set(pairs)
+            pairs.extend(pair for pair in stale if pair not in listed)
         return pairs[:max(limit, 0)]
 
     def doubtful(self, layers: Iterable[LayerState], fallback_g2: float | None) -> list[tuple[str, int]]:
@@ -733,12 +765,17 @@ class Calibration:
         n = least if per is None or per <= 0 else max(int(budget // per) - fixed_replays, least)
         return max(1, min(n, self._config.calibration_max_replays))
 
-    def spend(self, train_s: float, spent_s: float) -> None:
+    def spend(self, train_s: float, spent_s: float, share: float | None = None) -> None:
         """Carry the unused share of the time budget to the next probe (at most 20 steps' worth),
-        or what was overspent as a debt (NOTE [ Probe cost ])."""
-        budget = self.carry_s + self.share() * max(train_s, 0.0)
-        cap = self.share() * max(train_s, 0.0) * 20
-        self.carry_s = min(budget - spent_s, cap)
+        or what was overspent as a debt (NOTE [ Probe cost ]). ``share``: the share the probe
+        ran under (default: today's); where the probe changed it, the carry is rescaled so that
+        it is paid back, or used, in the same training time as at that share."""
+        then = self.share() if share is None else share
+        budget = self.carry_s + then * max(train_s, 0.0)
+        cap = then * max(train_s, 0.0) * 20
+        carry = min(budget - spent_s, cap)
+        now = self.share()
+        self.carry_s = carry * (now / then) if then > 0 and now != then else carry
 
     def time_replay(self, seconds: float) -> None:
         self.replay_s = _ema(self.replay_s, seconds)

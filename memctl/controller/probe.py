@@ -57,6 +57,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
     """
     result = ProbeResult()
     start = time.perf_counter()
+    share = calibration.share()  # its cost is paid back at this share (NOTE [ Probe cost ])
     buffers = [b.detach().clone() for b in model.buffers()]
     seed = (step * 0x2545F491 + 17) & 0xFFFFFFFF
     try:
@@ -94,15 +95,17 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             result.predicted = sum(calibration.estimate(s, fallback_g2, in_use(s.name)[0]) for s in layers)
         scale = max(scale, result.noise or 0.0)
         by_name = {s.name: s for s in layers}
-        # NOTE [ Probe cost ]: while layers are unmeasured, as many of them as fixed replays (those
-        # run, the two halves, one per uniform width)
-        least = min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2),
-                    calibration.count_unmeasured(layers))
+        # NOTE [ Probe cost ]: as many layers as fixed replays (those run, the two halves, one per
+        # uniform width while layers are unmeasured), or pairs to refresh once none is; under a
+        # process group, which probes at every allocation step, what the share allows
+        missing = calibration.count_unmeasured(layers)
+        least = (min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2), missing) if missing
+                 else result.replays + 2 if record else 1)
         limit = calibration.allowance(train_s, result.replays + 1, least)  # itself at least 1
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         # NOTE [ Doubtful measurements ]: up to half the replays measure doubtful values again first
         everything = calibration.schedule(layers, len(layers) * len(config.bit_choices) * 2, fallback_g2,
-                                          doubts_first=max(1, limit // 2))
+                                          doubts_first=max(1, limit // 2), step=step)
         # NOTE [ Several layers per replay ]: measured footprints first, then priors by kind
         prints = {**prior_footprints(model, [n for n in by_name if n not in calibration.footprints]),
                   **calibration.footprints} if config.calibration_groups else {}
@@ -130,7 +133,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
             for b, saved in zip(model.buffers(), buffers, strict=True):
                 b.copy_(saved)
         result.seconds = time.perf_counter() - start
-        calibration.spend(train_s, result.seconds)
+        calibration.spend(train_s, result.seconds, share)
         calibration.probes += 1
     if record and result.added is not None:
         calibration.added = result.added

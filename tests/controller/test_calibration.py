@@ -335,14 +335,52 @@ def test_a_probe_that_overspends_leaves_a_debt_the_next_steps_repay() -> None:
     assert cal.affords(30.0)
 
 
-def test_probes_wait_for_their_time_budget() -> None:
-    """With a tiny share, a probe's debt is not repaid within the run: one probe, not one per
-    allocation interval (before, every allocation step probed whatever the share)."""
+def test_a_probe_that_measures_the_last_layers_is_repaid_at_the_share_it_ran_under() -> None:
+    """NOTE [ Probe cost ]: the first probe measures every layer at the full share and leaves none
+    unmeasured; its debt is repaid in the training time that share sets, not five times as long
+    at the fifth that follows (a text model of 300 steps probed three times, once at step 0)."""
+    cal = Calibration(ControllerConfig(calibration_fraction=0.25))
+    share = cal.share()
+    assert share == pytest.approx(0.25)
+    cal.probes = 1
+    cal.record("a", 2, 0.5, 1.0, step=0)
+    cal.unmeasured([_layer("a", 1.0)])  # the probe measured the last layer
+    assert cal.share() == pytest.approx(0.05)
+    cal.spend(train_s=10.0, spent_s=4.0, share=share)  # 2.5 s allowed at 0.25, 4 s spent
+    assert not cal.affords(5.9)
+    assert cal.affords(6.1)  # 1.5 s at 0.25: 6 s of training, as at the share it ran under
+
+
+def _sparse_probes() -> memctl.Controller:
+    """NoisyNet with a share of training time so small that only the first probe is paid for."""
     torch.manual_seed(0)
     model = NoisyNet(12.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                            calibration_fraction=1e-6)
+    return memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=2,
+                             calibration_fraction=1e-6)
+
+
+def test_a_probe_with_every_layer_measured_refreshes_as_many_as_its_fixed_replays() -> None:
+    """NOTE [ Probe cost ]: once every layer is measured, a probe still measures as many pairs as
+    the replays it cannot drop, so that at most half of it is overhead and a long run refreshes
+    every layer (one pair a probe left some standing on step 0's draw to the end)."""
+    ctl = _sparse_probes()
+    _steps(ctl, 1)
+    cal = ctl._calibration
+    assert cal.probes == 1 and cal.complete
+    cal.carry_s = 0.0  # the debt repaid: the next allocation step probes, its share affords no layer
+    _steps(ctl, 2)
+    ctl.detach()
+    assert cal.probes == 2
+    last = max(m.step for mine in cal.measured.values() for m in mine.values())
+    fresh = [(n, b) for n, mine in cal.measured.items() for b, m in mine.items() if m.step == last]
+    assert last > 0 and len(fresh) >= 4, fresh
+
+
+def test_probes_wait_for_their_time_budget() -> None:
+    """With a tiny share, a probe's debt is not repaid within the run: one probe, not one per
+    allocation interval (before, every allocation step probed whatever the share)."""
+    ctl = _sparse_probes()
     _steps(ctl, 12)
     probes = ctl.stats()["calibration"]["probes"]
     ctl.detach()
@@ -548,3 +586,34 @@ def test_a_width_measured_long_after_the_others_speaks_for_them() -> None:
     # a raised layer's 1 bit is a 2-bit record, which does
     one.note_width("a", 1, True)
     assert one.estimate(a, 1.0, 2) == pytest.approx(40.0 * law(2) / law(4), rel=1e-6)
+
+
+def test_a_draw_long_after_the_window_starts_it_again() -> None:
+    """NOTE [ Stale widths give way ]: a layer measured again more than 50 steps after its last
+    draw stands on the new draw alone (the text model's GELU inputs grew 20x against ‖g‖² from
+    step 0 to step 150); within 50 steps the draws share a window."""
+    cal = Calibration(ControllerConfig())
+    cal.record("a", 2, 0.01, 1.0, step=0)
+    cal.record("a", 2, 0.03, 1.0, step=40)
+    assert cal.measured["a"][2].draws == (0.01, 0.03) and cal.measured["a"][2].count == 2
+    cal.record("a", 2, 0.2, 1.0, step=150)
+    m = cal.measured["a"][2]
+    assert m.draws == (0.2,) and m.value == pytest.approx(0.2) and m.count == 1 and m.step == 150
+
+
+def test_pairs_gone_stale_are_refreshed_before_widths_never_measured_above_2_bits() -> None:
+    """NOTE [ Stale widths give way ]: a long run's rare probes refresh what the allocation stands
+    on before they fill in widths the law already covers; in a short run, whose probes come every
+    few steps, the missing widths still come first."""
+    cal = Calibration(ControllerConfig(bit_choices=(1, 2, 4, 8)))
+    layers = [_layer("a", 1.0), _layer("b", 2.0)]
+    for s in layers:
+        cal.record(s.name, 2, 0.1, closed_form(s, 1.0, 2), step=0)
+        cal.record(s.name, 1, 1.0, closed_form(s, 1.0, 1), step=30)
+    soon = cal.schedule(layers, 100, 1.0, step=20)
+    assert soon[:2] == [("b", 4), ("a", 4)] or soon[:2] == [("a", 4), ("b", 4)], soon
+    assert soon.index(("a", 2)) > soon.index(("a", 8))
+    later = cal.schedule(layers, 100, 1.0, step=70)
+    assert set(later[:2]) == {("a", 2), ("b", 2)}, later  # more than 50 steps old: due first
+    assert later.index(("a", 1)) > later.index(("a", 8))  # step 30 is not yet stale at 70
+    assert len(later) == len(set(later))
