@@ -258,9 +258,9 @@ replays 57 ms) three probes ran, at steps 0, 170 and 240, four of six layers sto
 draw at the end, and ``--audit 4`` found 7 of 24 (layer, width) pairs within 2x of fresh draws,
 the three GELU inputs 7-25x under at every width. Now three or four probes (steps 0, 30-50,
 150-170, and 260-270 when the clock allows) measure 6, 4, 4 and 4 pairs; with NOTE [ Stale
-widths give way ]'s order the audit finds 14-16 of 24 pairs within 2x at ``bits=2`` and 17-18
-at the default policy (7 and 8 before). Under a process group (every allocation step probes) a
-probe still measures what its share allows, at least one.
+widths give way ]'s order the audit finds 14-18 of 24 pairs within 2x at ``bits=2`` and 18-24
+at the default policy over seeds 0-2 (7-11 and 8-16 before). Under a process group (every
+allocation step probes) a probe still measures what its share allows, at least one.
 
 NOTE [ Doubtful measurements ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
