@@ -692,11 +692,10 @@ class Calibration:
         doubtful = self.doubtful(ranked, fallback_g2)
         taken = set(doubtful)
         names = {s.name for s in ranked}
-        stale = [(name, b) for _, name, b in sorted(
-            (m.step, name, b) for name, mine in self.measured.items() if name in names
-            for b, m in mine.items() if b in order[:2] and (name, b) not in taken)]
-        due = [] if step is None else [(name, b) for name, b in stale
-                                       if step - self.measured[name][b].step > _STALE_STEPS]
+        by_age = sorted((m.step, name, b) for name, mine in self.measured.items() if name in names
+                        for b, m in mine.items() if b in order[:2] and (name, b) not in taken)
+        stale = [(name, b) for _, name, b in by_age]
+        due = [] if step is None else [(name, b) for then, name, b in by_age if step - then > _STALE_STEPS]
         pairs: list[tuple[str, int]] = doubtful[:doubts_first]
         for b in order:
             if b > 2 and due:

@@ -98,9 +98,12 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
         # NOTE [ Probe cost ]: as many layers as fixed replays (those run, the two halves, one per
         # uniform width while layers are unmeasured), or pairs to refresh once none is; under a
         # process group, which probes at every allocation step, what the share allows
+        fixed = result.replays + 2  # those run and the two halves
         missing = calibration.count_unmeasured(layers)
-        least = (min(result.replays + 2 + sum(1 for b in config.bit_choices if b >= 2), missing) if missing
-                 else result.replays + 2 if record else 1)
+        if missing:
+            least = min(fixed + sum(1 for b in config.bit_choices if b >= 2), missing)
+        else:
+            least = fixed if record else 1
         limit = calibration.allowance(train_s, result.replays + 1, least)  # itself at least 1
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         # NOTE [ Doubtful measurements ]: up to half the replays measure doubtful values again first
