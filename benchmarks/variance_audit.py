@@ -4,7 +4,9 @@ After a run, with the controller still attached, :func:`audit` takes the varianc
 prediction for each of the ``layers`` largest layers at every bit width, then measures the
 same (layer, width) at the weights training left, on each of the run's distinct batches,
 with ``draws`` fresh replays a batch (NOTE [ Replay ]: that layer compressed, every other
-exact), and compares the prediction with the mean over batches of those draws' means.
+exact), and compares the prediction with the mean over batches of those draws' means. Both
+are in the metric the calibration measures in (NOTE [ Update metric ]: Adam's update, each
+parameter's gradient over its root mean second moment, or the gradient's own).
 
 Why every batch: the model predicts what a layer adds at the next steps, whichever batch
 they bring, and what one batch adds follows that batch's gradient, which moves far from one
@@ -113,18 +115,22 @@ def _measure_batch(ctl: Any, loss_fn: Callable[[], torch.Tensor], chosen: list[A
     if capture is None or not capture.out_grads:
         return None
     target = replay_module(model)
-    ref = replayer.gradient(target, capture, exact, seed)
-    if ref is None:
-        return None
-    for s in chosen:
-        for b in widths:
-            values = []
-            for i in range(draws):
-                g = replayer.gradient(target, capture, only(s.name, float(b), None), seed + 1 + i)
-                if g is not None:
-                    values.append(float((g - ref).square().sum()))
-            per_pair[(s.name, b)].append(values)
-    return float(ref.square().sum())
+    replayer.begin_metric(target)  # as the probes measure (NOTE [ Update metric ])
+    try:
+        ref = replayer.gradient(target, capture, exact, seed)
+        if ref is None:
+            return None
+        for s in chosen:
+            for b in widths:
+                values = []
+                for i in range(draws):
+                    g = replayer.gradient(target, capture, only(s.name, float(b), None), seed + 1 + i)
+                    if g is not None:
+                        values.append(float((g - ref).square().sum()))
+                per_pair[(s.name, b)].append(values)
+        return float(ref.square().sum())
+    finally:
+        replayer.end_metric()
 
 
 def _finite_mean(values: list[float]) -> float:

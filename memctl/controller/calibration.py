@@ -427,6 +427,23 @@ class Calibration:
         self.unsafe: dict[str, int] = {}
         """Per layer, the widest bit width that produced an absurd draw (NOTE [ Robust measurements ])."""
         self._disabled = False
+        self.metric: str | None = None
+        """The metric every squared norm above is taken in (NOTE [ Update metric ] in
+        update_metric.py): ``"update"`` or ``"gradient"``; None before the first probe."""
+
+    def use_metric(self, metric: str) -> str | None:
+        """Measure in ``metric`` from now on. What was measured in another one is dropped (it
+        does not compare); returns that other metric when something was, else None."""
+        before = self.metric
+        if before is None or metric == before:
+            self.metric = metric
+            return None
+        had = bool(self.measured) or self.grad_sq is not None
+        kept = (self.probes, self.replay_s, self.carry_s, self.footprints, self.unsafe, self._disabled)
+        self.__init__(self._config)  # type: ignore[misc]
+        self.probes, self.replay_s, self.carry_s, self.footprints, self.unsafe, self._disabled = kept
+        self.metric = metric
+        return before if had else None
 
     @property
     def enabled(self) -> bool:
@@ -804,11 +821,14 @@ class Calibration:
             "median_layers": sorted(self.median_layers) if self.median_layers is not None else None,
             "anchor_sq": self._anchor_sq,
             "relative": True,  # NOTE [ Gradient scale ]: values over their probe's ‖g‖²
+            "metric": self.metric,  # NOTE [ Update metric ]
             "width_factors": {str(b): f for b, f in self.width_factors.items()},
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         measured = state.get("measured") or {}
+        metric = state.get("metric")  # a state saved before NOTE [ Update metric ]: the gradient's
+        self.metric = metric if metric in ("update", "gradient") else "gradient" if measured else None
         self.measured = {}
         if isinstance(measured, dict):
             for name, mine in measured.items():

@@ -86,6 +86,11 @@ class ControllerConfig:
             the minibatch gradient's own variance tr Var(g) as the calibration measures it
             (its squared norm until then; NOTE [ Calibration ]). 0.05 adds what a batch 5%
             smaller adds (NOTE [ Default policy ]).
+        variance_metric: ``"gradient"`` (the default): the calibration, the bound and the guard
+            measure noise as the gradient's squared norm; ``"update"``: as the optimizer's update
+            carries it, each parameter's gradient over the optimizer's own scale (Adam's
+            ``√mean v̂ + ε``) when the optimizer keeps one (NOTE [ Update metric ] in
+            update_metric.py says what each costs).
         calibration_fraction: share of the training time the calibration probes may take
             (NOTE [ Calibration ]); 0 turns calibration off (the closed-form model alone).
         calibration_max_replays: most layer measurements in one probe.
@@ -138,6 +143,7 @@ class ControllerConfig:
     allocation_interval: int = 10
     objective: Objective | None = None
     variance_bound: float = 0.05
+    variance_metric: str = "gradient"
     calibration_fraction: float = 0.25
     calibration_max_replays: int = 16
     calibration_groups: bool = False
@@ -196,6 +202,11 @@ class ControllerConfig:
             object.__setattr__(self, name, _member(name, getattr(self, name), kind))
         _positive_int("allocation_interval", self.allocation_interval)
         _positive_float("variance_bound", self.variance_bound)
+        if self.variance_metric not in ("update", "gradient"):
+            raise ConfigError(
+                f"variance_metric={self.variance_metric!r}: must be 'update' (noise as the optimizer's "
+                "step carries it) or 'gradient' (the gradient's squared norm)"
+            )
         fraction = self.calibration_fraction
         if not (isinstance(fraction, int | float) and not isinstance(fraction, bool)
                 and math.isfinite(fraction) and fraction >= 0):

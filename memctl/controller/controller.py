@@ -66,6 +66,7 @@ from memctl.controller.recurrent import RecurrentMode, attach_recurrent
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, LayerStep, ScalarRead, median_grad_sq, start_read
+from memctl.controller.update_metric import UpdateMetric
 from memctl.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -196,8 +197,10 @@ class Controller:
         if self._ranks is not None and self._ranks.world_size < 2:
             self._ranks = None
         self._calibration = Calibration(self.config)
+        self._metric = UpdateMetric(optimizer, enabled=self.config.variance_metric == "update")
+        """NOTE [ Update metric ]."""
         self._replayer = Replayer(self.config, self._tracker, self.device,
-                                  walking=lambda: self._packer.walking)
+                                  walking=lambda: self._packer.walking, metric=self._metric)
         self._guard = ConvergenceGuard(self.config.guard_tolerance, self.config.bit_choices)
         self._gates = GateFloors(model, self.config.gate_bits) if self.config.gate_bits is not None else None
         """NOTE [ Gates near zero ]."""
@@ -601,10 +604,15 @@ class Controller:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         params = (self.model.parameters() if self.optimizer is None else
                   (p for group in self.optimizer.param_groups for p in group["params"]))
+        pairs = []
         for p in params:
             g = p.grad
             if g is not None and g.layout is torch.strided and type(g) is torch.Tensor:
                 groups.setdefault((g.device, g.dtype), []).append(g.detach())
+                pairs.append((p, g.detach()))
+        scaled = self._metric.grad_sq(pairs) if self._metric.enabled else None
+        if scaled is not None:  # NOTE [ Update metric ]: as the probes measure
+            return scaled
         return [torch.stack(torch._foreach_norm(grads)).float().square().sum() for grads in groups.values()]
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
@@ -653,6 +661,8 @@ class Controller:
                 self._replaying = False
                 self._tracker.reset()
             self._train_s = 0.0
+            if result is not None and result.restarted is not None:
+                self._metric_restarted(result.restarted)
         fallback_g2 = self._calibration.median_grad_sq(layers)  # after the probe: over its layers
         if result is not None and result.unsafe:  # NOTE [ Robust measurements ]
             self._outlier_event(result.unsafe, "")
@@ -664,6 +674,12 @@ class Controller:
             fired = self._raise_bits(layers, fallback_g2, 0.5, "the loss turned back up against its history")
         self._guard_fired = fired
         return fired
+
+    def _metric_restarted(self, before: str) -> None:
+        """The probe measured in another metric than the values kept (a state saved with the
+        other one, or another optimizer): those were dropped (NOTE [ Update metric ])."""
+        self._event("calibration_metric", f"calibration restarted in the {self._calibration.metric} metric: "
+                    f"what was measured in the {before} metric does not compare")
 
     def _outlier_event(self, unsafe: Iterable[tuple[str, int]], where: str) -> None:
         """Report the (layer, bits) pairs that gave an absurd draw (NOTE [ Robust measurements ]);
@@ -1055,6 +1071,7 @@ class Controller:
             "timings": self._packer.timings.to_dict(),
             "calibration": {
                 "probes": self._calibration.probes,
+                "metric": self._calibration.metric,  # NOTE [ Update metric ]
                 "grad_sq": self._calibration.grad_sq,
                 "grad_variance": self._calibration.grad_noise,
                 "added_variance": self._calibration.added,

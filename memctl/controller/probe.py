@@ -44,6 +44,9 @@ class ProbeResult:
     layers ]), fitted into the calibration here only when recording."""
     replays: int = 0
     seconds: float = 0.0
+    restarted: str | None = None
+    """The metric the calibration measured in before this probe, when it changed and what was
+    measured there was dropped (NOTE [ Update metric ])."""
 
 
 def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, calibration: Calibration,
@@ -61,6 +64,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
     buffers = [b.detach().clone() for b in model.buffers()]
     seed = (step * 0x2545F491 + 17) & 0xFFFFFFFF
     try:
+        result.restarted = calibration.use_metric(replayer.begin_metric(model))
         exact_g = _timed(calibration, result, lambda: replayer.gradient(model, capture, exact, seed))
         if exact_g is None:
             return result
@@ -132,6 +136,7 @@ def run_probe(model: torch.nn.Module, replayer: Replayer, capture: Capture, cali
                     if record:  # else every rank fits the ranks' mean (NOTE [ Calibration across ranks ])
                         calibration.fit_width(bits, value, layers, fallback_g2)
     finally:
+        replayer.end_metric()
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers, strict=True):
                 b.copy_(saved)

@@ -42,6 +42,7 @@ import torch
 from memctl.controller.config import KEEP_BITS, ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.packing import Packer
+from memctl.controller.update_metric import UpdateMetric
 
 __all__ = ["Capture", "Replayer", "exact", "flatten_tensors", "only", "several"]
 
@@ -80,8 +81,13 @@ class Replayer:
     """Runs replays of one captured step (NOTE [ Replay ])."""
 
     def __init__(self, config: ControllerConfig, tracker: ModuleTracker, device: torch.device,
-                 walking: Callable[[], tuple[bool, bool, bool]] | None = None) -> None:
+                 walking: Callable[[], tuple[bool, bool, bool]] | None = None,
+                 metric: UpdateMetric | None = None) -> None:
         self._config = config
+        self._metric = metric
+        self._gains: tuple[tuple[int, ...], list[torch.Tensor | float]] | None = None
+        """The update metric's gains while a probe runs, and the parameters they are of (NOTE
+        [ Update metric ] in update_metric.py)."""
         self._tracker = tracker
         self._device = device
         self._walking = walking
@@ -90,6 +96,18 @@ class Replayer:
         self.raised: frozenset[str] = frozenset()
         """The layers whose records the last replay stored at twice their bits (NOTE [ Widths a
         record is stored at ] in calibration.py)."""
+
+    def begin_metric(self, model: torch.nn.Module) -> str:
+        """Take the optimizer's gains for the replays to come (NOTE [ Update metric ]), until
+        :meth:`end_metric`: the metric their gradients are in, ``"update"`` or ``"gradient"``."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        gains = self._metric.gains(params) if self._metric is not None else None
+        self._gains = None if gains is None else (tuple(map(id, params)), gains)
+        return "gradient" if gains is None else "update"
+
+    def end_metric(self) -> None:
+        """Let the gains go (a copy of every parameter's size)."""
+        self._gains = None
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
         cuda_rng = None
@@ -105,7 +123,8 @@ class Replayer:
 
     def gradient(self, model: torch.nn.Module, capture: Capture, choice_for: ChoiceFn, seed: int,
                  part: tuple[int, int] | None = None) -> torch.Tensor | None:
-        """The flat parameter gradient of one replay (``None`` when the replay cannot run).
+        """The flat parameter gradient of one replay (``None`` when the replay cannot run), each
+        parameter's times its gains between :meth:`begin_metric` and :meth:`end_metric`.
 
         ``part`` = (start, length) replays only those samples of the batch (inputs and
         output gradients narrowed along ``batch_dim``).
@@ -161,10 +180,12 @@ class Replayer:
             records = packer.finish_step()
             self.raised = frozenset(name for name, rec in records.items() if rec.raised_values)
             self._tracker.reset()
-        return torch.cat([
-            (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float()
-            for g, p in zip(got, params, strict=True)
-        ])
+        flat_grads = [(d if d is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                      for d, p in zip(got, params, strict=True)]
+        if self._gains is not None and self._gains[0] == tuple(map(id, params)):
+            # NOTE [ Update metric ]: a 0-d gain (or a number) per parameter
+            return torch.cat([torch.mul(d, gain) for d, gain in zip(flat_grads, self._gains[1], strict=True)])
+        return torch.cat(flat_grads)
 
 
 def only(layer: str, bits: float, error_bound: float | None) -> ChoiceFn:

@@ -87,6 +87,12 @@ class _ScriptedReplayer:
         value = self.script.pop(0) if self.script else self.ordinary
         return torch.full((1,), 1.0 + math.sqrt(value), dtype=torch.float64)
 
+    def begin_metric(self, model: Any) -> str:
+        return "gradient"
+
+    def end_metric(self) -> None:
+        pass
+
 
 def _probe(replayer: _ScriptedReplayer, cal: Calibration, in_use: Any, config: ControllerConfig,
            step: int = 0) -> Any:

@@ -14,6 +14,7 @@ from torch import nn
 import memctl
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.replay import Capture, Replayer, exact, only
+from memctl.controller.update_metric import UpdateMetric
 from tests.controller.models import CNN
 
 
@@ -25,15 +26,18 @@ def _data(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _measure(model: nn.Module, config: memctl.ControllerConfig, x: torch.Tensor, y: torch.Tensor,
-             layers: list[str], bits: tuple[int, ...], draws: int) -> dict[tuple[str, int], float]:
-    """Mean over ``draws`` of ‖g(layer at b bits, the rest exact) − g(exact)‖², without any controller."""
+             layers: list[str], bits: tuple[int, ...], draws: int,
+             optimizer: torch.optim.Optimizer | None = None) -> dict[tuple[str, int], float]:
+    """Mean over ``draws`` of ‖g(layer at b bits, the rest exact) − g(exact)‖², without any controller;
+    with ``optimizer``, in its update metric (NOTE [ Update metric ]), as the controller measures."""
     tracker = ModuleTracker()
     handles = tracker.attach(model)
     try:
         out = model(x)
         grad_out = torch.autograd.grad(nn.functional.cross_entropy(out, y), out)[0]
         capture = Capture(args=(x,), kwargs={}, cpu_rng=torch.get_rng_state(), out_grads={0: grad_out})
-        replayer = Replayer(config, tracker, torch.device("cpu"))
+        replayer = Replayer(config, tracker, torch.device("cpu"), metric=UpdateMetric(optimizer))
+        replayer.begin_metric(model)
         g0 = replayer.gradient(model, capture, exact, 0)
         assert g0 is not None
         result = {}
@@ -51,12 +55,13 @@ def _measure(model: nn.Module, config: memctl.ControllerConfig, x: torch.Tensor,
             h.remove()
 
 
-def test_predicted_variance_matches_measurement_within_2x() -> None:
+@pytest.mark.parametrize("metric", ["gradient", "update"])
+def test_predicted_variance_matches_measurement_within_2x(metric: str) -> None:
     torch.manual_seed(0)
     model = CNN(c=8)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ctl = memctl.Controller(model, opt, bits=4, monitor_interval_s=0, min_numel=64, allocation_interval=2,
-                            calibration_fraction=1000.0, calibration_max_replays=200)
+                            calibration_fraction=1000.0, calibration_max_replays=200, variance_metric=metric)
     x, y = _data()
     g = torch.Generator().manual_seed(1)
     for _ in range(7):
@@ -71,7 +76,8 @@ def test_predicted_variance_matches_measurement_within_2x() -> None:
     for e in layers.values():
         assert set(e["variance_predicted"]) == set(e["variance_measured"]) == {"1", "2", "4", "8"}
     idx = torch.randint(0, len(x), (32,), generator=g)
-    truth = _measure(model, config, x[idx], y[idx], sorted(layers), (1, 2, 4, 8), draws=4)
+    truth = _measure(model, config, x[idx], y[idx], sorted(layers), (1, 2, 4, 8), draws=4,
+                     optimizer=opt if metric == "update" else None)
     scale = max(truth.values())
     ratios = {}
     for (name, b), measured in truth.items():
@@ -92,12 +98,16 @@ def test_predicted_variance_matches_measurement_within_2x() -> None:
     assert 0.5 <= median <= 2.0, ratios
     # Over the median, the per-layer model: at 4 and 8 bits the prediction pools the layer's
     # draws at every width from 2 bits up (NOTE [ Pooling the widths from 2 bits up ]). A
-    # 4-draw measurement against a prediction from the calibration's own draws: at seeds 0-2,
-    # 1-2 pairs of 36-39 outside 2x, the worst 2.3-2.7x; most pairs within 2x, every pair within 3x
+    # 4-draw measurement against a prediction from the calibration's own draws: in the gradient's
+    # metric, at seeds 0-2, 1-2 pairs of 36-39 outside 2x, the worst 2.3-2.7x; in AdamW's update
+    # metric (NOTE [ Update metric ]) 2 of 40 at seed 0, the worst 3.2x (block2.bn1 at 4 bits,
+    # whose error lands most on its own batch norm's parameters, those of the largest gain),
+    # seeds 1-2 within 3x; most pairs within 2x, every pair within 3x (3.5x in the update metric)
     shape = {k: r / median for k, r in ratios.items()}
     missed = {k: r for k, r in shape.items() if not 0.5 <= r <= 2.0}
     assert len(missed) <= len(shape) // 10, shape
-    assert all(1 / 3 <= r <= 3.0 for r in shape.values()), shape
+    worst = 3.5 if metric == "update" else 3.0
+    assert all(1 / worst <= r <= worst for r in shape.values()), shape
 
 
 def test_closed_form_alone_is_far_from_measurement() -> None:
