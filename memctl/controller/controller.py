@@ -326,6 +326,8 @@ class Controller:
             return
         if self._scope.open():
             self._packer.begin_step(self._step)
+            # NOTE [ Range statistics on the steps that gather statistics ] in packing.py
+            self._packer.ranging = self._probing
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
             if self._calibration_due():
@@ -371,6 +373,7 @@ class Controller:
         """
         if torch.is_grad_enabled() and self._scope.open():
             self._packer.begin_step(self._step)
+            self._packer.ranging = self._probing
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
 

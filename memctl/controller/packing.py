@@ -442,6 +442,11 @@ class Packer:
         """Micro-batches (forwards that backward read) in the last finished step."""
         # NOTE [ Range statistics ]: by layer, its records' metadata, or runs of a batch's groups
         self._metas: dict[int, tuple[LayerStep, list[torch.Tensor | list[Any]]]] = {}
+        self.ranging = True
+        """Whether this step's records keep range statistics (NOTE [ Range statistics on the steps
+        that gather statistics ])."""
+        self._ranged_layers: set[str] = set()
+        """The layers whose records kept range statistics at least once."""
         self._regions = RegionTracker()
         self._floors = FloorTracker({ATTENTION: config.attention_bits, VALUES: config.attention_value_bits,
                                      NORM: config.norm_bits})
@@ -454,9 +459,6 @@ class Packer:
         self._counter = 0
         self._seed_base = 0
         self._steps = 0
-        # NOTE [ Range statistics ]: each layer's derived records' last measured terms, in pack order
-        self._derived_ranges: dict[str, list[_RangeTerms]] = {}
-        self._derived_index: dict[str, int] = {}
         # NOTE [ Floors known from the last forward ]
         self._floor_hints: dict[_Slot, int] = {}
         self._hints_next: dict[_Slot, int] = {}
@@ -576,7 +578,6 @@ class Packer:
         self._forget_producers()
         if self._held_log_probs:
             self._flush_log_probs()
-        self._derived_index.clear()
         self._floors.walks.begin_forward()
         self._regions.walks.begin_forward()
         self._derivations.begin_forward()
@@ -632,7 +633,6 @@ class Packer:
         self._unread_norms.clear()  # a forward that raised never ended: its tensors let go
         self._begun = None
         self._steps += 1
-        self._derived_index.clear()
         self._recomputed_softmax = False
         self.last_samples = peak.samples
         self.last_micro_batches = peak.micro_batches
@@ -641,7 +641,11 @@ class Packer:
     def record(self, layer: str) -> LayerStep:
         rec = self._step.get(layer)
         if rec is None:
-            rec = self._step[layer] = LayerStep()
+            # NOTE [ Range statistics on the steps that gather statistics ]: and a layer's first
+            ranged = self.ranging or layer not in self._ranged_layers
+            rec = self._step[layer] = LayerStep(ranged=ranged)
+            if ranged:
+                self._ranged_layers.add(layer)
         return rec
 
     # -- hooks -------------------------------------------------------------------------
@@ -1778,7 +1782,7 @@ class Packer:
         if not self._raise_root(root, root_source, int(bits), layer, rec, hidden=root is not source_saved):
             return None
         rec.bit_values += bits * t.numel()
-        self._derived_range_stats(t, rec, layer)
+        self._derived_range_stats(t, rec)
         return Saved(Derived(source_saved, fn, reads=reads), t, layer=layer)
 
     # -- NOTE [ Elementwise expressions ] in expressions.py ----------------------------------
@@ -1850,7 +1854,7 @@ class Packer:
         for r in expr.roots:
             r.readers += 1  # NOTE [ One decode for several readers ]: a root is decoded once for all
         rec.bit_values += bits * t.numel()
-        self._derived_range_stats(t, rec, layer)
+        self._derived_range_stats(t, rec)
         fn, shape = expr.fn, t.shape
         derived = Derived(expr.roots[0], lambda *xs: fn(xs).reshape(shape), expr.roots[1:])
         return Saved(derived, t, layer=layer)
@@ -1986,7 +1990,7 @@ class Packer:
         if region is not None:
             rec.packed_bytes += region.nbytes
         rec.bit_values += bits * t.numel()
-        self._derived_range_stats(t, rec, layer)
+        self._derived_range_stats(t, rec)
         saved = Saved(Derived(root, t_of), t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
@@ -2175,14 +2179,27 @@ class Packer:
         outputs recomputed from the input ]) has no metadata of its own: its groups' ranges
         take a pass over the tensor (``amin`` and ``amax`` on a CPU, several on a GPU), which on a
         conv net with batch-norm chains was a fifth of memctl's CPU time beyond the codecs
-        (26 ms a step of the CNN in benchmarks/training.py at one thread). So they are
-        measured every :data:`DERIVED_RANGE_EVERY` optimizer steps, and the steps between
-        reuse each layer's last measured terms record by record (the i-th derived record of
-        a layer in a forward takes the i-th term measured; one without a term of the same
-        size is measured at once). The layer's range sum keeps all its records every step,
-        at most ``DERIVED_RANGE_EVERY - 1`` steps old for the derived ones; the sensitivity
-        it feeds is an average over steps anyway.
+        (26 ms a step of the CNN in benchmarks/training.py at one thread). They are measured
+        on the steps that keep ranges (below), two in ten; until 2026-11-29 every step kept
+        them, and a derived record was measured every fourth step and its last terms reused
+        between.
+
+        NOTE [ Range statistics on the steps that gather statistics ]
+        A layer's range sum, minimum and maximum feed its closed form (NOTE [ Sensitivity ]),
+        which only the next allocation reads, and ``‖∇Y‖²``, the other half of it, is read only
+        on the steps that gather statistics (the first two, and the two around each re-solve:
+        NOTE [ Sparse gradient statistics ] in stats.py). So the ranges are kept on those steps
+        too (``ranging``, the controller's ``_probing``), and on a layer's first step whatever
+        the step (a branch first taken between them still gets a range, not a closed form of 0);
+        their EMA decays per step seen, not per reading, as ``‖∇Y‖²``'s does. The other steps
+        skip this method, the batched and derived records' own, and the step boundary's fold:
+        on the 3-layer MLP of ``benchmarks/training.py`` (``benchmarks/overhead.py --paired mlp
+        --steps 400``, three interleaved runs each) the step boundary 0.338 -> 0.258 ms a step,
+        memctl's whole cost 1.38 -> 1.29 ms. ``stats()``'s per-layer ``min`` and ``max`` are
+        those of the last step that gathered statistics.
         """
+        if not rec.ranged:
+            return
         meta = p.buffers.get("meta")
         if meta is not None and meta.dtype is torch.float32 and meta.dim() == 2 and meta.size(1) == 2:
             written = p.params.get("group_size")  # (merged: NOTE [ Eight-bit groups ])
@@ -2208,6 +2225,8 @@ class Packer:
         """:meth:`_range_stats` of a batched record: its groups of the batch's metadata, written
         by the batch's encode before the step boundary reads them; consecutive records of a layer
         in one batch make one run of groups (NOTE [ Range statistics ])."""
+        if not rec.ranged:
+            return
         meta, (g0, g1) = p.batch.meta, p.groups
         entry = self._metas.get(id(rec))
         if entry is None:
@@ -2219,23 +2238,13 @@ class Packer:
         else:
             entry[1].append([meta, g0, g1, p.batch.merged])
 
-    def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep, layer: str) -> None:
-        """:meth:`_range_stats` of a derived record, measured every :data:`DERIVED_RANGE_EVERY`
-        steps and reused in between (NOTE [ Range statistics ])."""
-        i = self._derived_index.get(layer, 0)
-        self._derived_index[layer] = i + 1
-        terms = self._derived_ranges.setdefault(layer, [])
-        due = self._steps % DERIVED_RANGE_EVERY == 0
-        if not due and i < len(terms) and terms[i].numel == t.numel():
-            term = terms[i]
-        else:
-            flat = t.detach().reshape(-1).float()
-            term = _RangeTerms.of(t.numel(), *_group_ranges(flat, self._config.group_size))
-            if i < len(terms):
-                terms[i] = term
-            else:
-                terms.append(term)
-        self._keep_meta(rec, term.meta)
+    def _derived_range_stats(self, t: torch.Tensor, rec: LayerStep) -> None:
+        """:meth:`_range_stats` of a derived record: a pass over the tensor (NOTE [ Range
+        statistics ])."""
+        if not rec.ranged:
+            return
+        flat = t.detach().reshape(-1).float()
+        self._keep_meta(rec, _RangeTerms.of(t.numel(), *_group_ranges(flat, self._config.group_size)).meta)
 
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ]).
@@ -2383,10 +2392,6 @@ def _nbytes(p: Packed) -> int:
     for b in p.buffers.values():
         n += b.nbytes
     return n
-
-
-DERIVED_RANGE_EVERY = 4
-"""Optimizer steps between two measurements of a derived record's range (NOTE [ Range statistics ])."""
 
 
 @dataclass(frozen=True)

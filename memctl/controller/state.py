@@ -102,7 +102,7 @@ def _layer(name: str, sd: Mapping[str, Any]) -> LayerState:
         "batch": lambda k, v: _int(k, v, low=1),
     }
     for key in ("raw_bytes", "packed_bytes", "fixed_bytes", "mask_bytes", "other_bytes", "seen_steps",
-                "grad_step"):
+                "grad_step", "range_step"):
         checks[key] = _int
     for key, check in checks.items():
         if key in sd:

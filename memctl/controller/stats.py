@@ -78,6 +78,9 @@ class LayerStep:
     maxs: list[torch.Tensor | float] = field(default_factory=list)
     grad_sq: list[torch.Tensor | float] = field(default_factory=list)
     element_size: int = 4
+    ranged: bool = True
+    """Whether its records keep range statistics (NOTE [ Range statistics on the steps that
+    gather statistics ] in packing.py)."""
 
     @property
     def controlled_raw_bytes(self) -> int:
@@ -109,6 +112,8 @@ class LayerState:
     seen_steps: int = 0
     grad_step: int = 0
     """``seen_steps`` when ``ema_grad_sq`` was last updated (NOTE [ Sparse gradient statistics ])."""
+    range_step: int = 0
+    """``seen_steps`` when ``ema_range_term`` was last updated."""
 
     def update(
         self, step: LayerStep, *, batch: int, decay: float, scalars: tuple[float, ...] | None = None,
@@ -142,8 +147,10 @@ class LayerState:
         vmin, vmax, range_sum, g2 = scalars
         if step.mins:
             self.vmin, self.vmax = vmin, vmax
-        if step.range_terms:
-            self.ema_range_term = _ema(self.ema_range_term, range_sum / self.batch, decay)
+        if step.range_terms:  # read on the steps that gather statistics: decayed per step, too
+            gap = max(self.seen_steps - self.range_step, 1)
+            self.ema_range_term = _ema(self.ema_range_term, range_sum / self.batch, decay ** gap)
+            self.range_step = self.seen_steps
         if step.grad_sq and math.isfinite(g2):
             # NOTE [ Sparse gradient statistics ]: the decay runs per step, not per reading
             gap = max(self.seen_steps - self.grad_step, 1)

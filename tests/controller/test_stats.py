@@ -111,6 +111,71 @@ def test_gradient_statistics_decay_per_step_not_per_reading() -> None:
     assert LayerState.from_state_dict(state.state_dict()) == state
 
 
+def test_range_statistics_decay_per_step_not_per_reading() -> None:
+    """NOTE [ Range statistics on the steps that gather statistics ]: the range sum read at steps
+    0 and 9 only keeps the first reading at 0.9⁹ of its weight, as ‖∇Y‖² does."""
+    state = LayerState(name="a")
+    first = LayerStep(mins=[0.0], maxs=[1.0], range_terms=[100.0])
+    state.update(first, batch=1, decay=0.9)
+    for _ in range(8):
+        state.update(LayerStep(), batch=1, decay=0.9)
+    assert state.ema_range_term == 100.0 and (state.vmin, state.vmax) == (0.0, 1.0)
+    state.update(LayerStep(mins=[-2.0], maxs=[3.0], range_terms=[1.0]), batch=1, decay=0.9)
+    assert math.isclose(state.ema_range_term or 0.0, 0.9**9 * 100.0 + (1 - 0.9**9) * 1.0, rel_tol=1e-12)
+    assert (state.vmin, state.vmax) == (-2.0, 3.0)
+    assert LayerState.from_state_dict(state.state_dict()) == state
+
+
+class _Branchy(torch.nn.Module):
+    """A conv net whose second branch runs at the steps in ``extra`` only."""
+
+    def __init__(self, extra: set[int]) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.b = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8 * 16 * 16, 10)
+        self.extra, self.calls = extra, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if self.calls in self.extra:
+            y = self.b(y * 2.0)  # (each layer saves a tensor of its own: ``b`` its input)
+        self.calls += 1
+        return self.head((y + 1.0).flatten(1))
+
+
+def test_ranges_are_kept_on_the_steps_that_gather_statistics_and_on_a_layers_first() -> None:
+    """NOTE [ Range statistics on the steps that gather statistics ]: with an allocation every 5
+    steps, the steps 0, 1, 4, 5, 9, 10 and 14 keep range statistics; the branch first taken at
+    step 2 keeps them there, and not at step 7."""
+    torch.manual_seed(0)
+    model = _Branchy({2, 7})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, allocation_interval=5,
+                            calibration_fraction=0, min_numel=64)
+    seen: dict[str, list[int]] = {}
+    fold = LayerState.fold
+
+    def watch(self: LayerState, step: LayerStep, scalars: tuple[float, ...], *, decay: float) -> None:
+        if step.range_terms:
+            seen.setdefault(self.name, []).append(self.seen_steps - 1)
+        fold(self, step, scalars, decay=decay)
+
+    LayerState.fold = watch  # type: ignore[method-assign]
+    try:
+        for _ in range(15):
+            x = torch.randn(8, 1, 16, 16)
+            torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+        ctl.stats()  # folds the last step's
+    finally:
+        LayerState.fold = fold  # type: ignore[method-assign]
+        ctl.detach()
+    assert seen["head"] == [0, 1, 4, 5, 9, 10, 14], seen
+    assert seen["b"] == [0], seen  # its own first step (the layer's second at step 7: none)
+
+
 def _trained_cnn(steps: int) -> memctl.Controller:
     """The CNN at ``bits=2``, ``steps`` steps trained; its controller still attached."""
     model = CNN()
