@@ -325,9 +325,7 @@ class Controller:
         if self._replaying or not torch.is_grad_enabled():
             return
         if self._scope.open():
-            self._packer.begin_step(self._step)
-            # NOTE [ Range statistics on the steps that gather statistics ] in packing.py
-            self._packer.ranging = self._probing
+            self._packer.begin_step(self._step, ranging=self._probing)
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
             if self._calibration_due():
@@ -372,8 +370,7 @@ class Controller:
         step's forward. The optimizer's step closes the window as usual.
         """
         if torch.is_grad_enabled() and self._scope.open():
-            self._packer.begin_step(self._step)
-            self._packer.ranging = self._probing
+            self._packer.begin_step(self._step, ranging=self._probing)
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
 
@@ -603,20 +600,12 @@ class Controller:
     def _training_grad_sq(self) -> list[torch.Tensor]:
         """‖g‖² of the gradient the optimizer just stepped with (its parameters' ``.grad``; the
         model's without an optimizer) as float32 scalars to sum, one per device and dtype, each
-        one ``_foreach_norm`` (NOTE [ Gradient scale between probes ]); empty when they hold none."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        one ``_foreach_norm`` (NOTE [ Gradient scale between probes ]), in the metric the probes
+        measure in (NOTE [ Update metric ]); empty when they hold none."""
         params = (self.model.parameters() if self.optimizer is None else
                   (p for group in self.optimizer.param_groups for p in group["params"]))
-        pairs = []
-        for p in params:
-            g = p.grad
-            if g is not None and g.layout is torch.strided and type(g) is torch.Tensor:
-                groups.setdefault((g.device, g.dtype), []).append(g.detach())
-                pairs.append((p, g.detach()))
-        scaled = self._metric.grad_sq(pairs) if self._metric.enabled else None
-        if scaled is not None:  # NOTE [ Update metric ]: as the probes measure
-            return scaled
-        return [torch.stack(torch._foreach_norm(grads)).float().square().sum() for grads in groups.values()]
+        return self._metric.grad_sq([(p, p.grad.detach()) for p in params if p.grad is not None
+                                     and p.grad.layout is torch.strided and type(p.grad) is torch.Tensor])
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Give the convergence guard this step's loss (optional; NOTE [ Convergence guard ]).

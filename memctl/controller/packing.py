@@ -556,7 +556,10 @@ class Packer:
         elif self.fsdp.active:
             self.fsdp.refresh()
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, ranging: bool = True) -> None:
+        """A step's capture window opens; ``ranging``: whether its records keep range statistics
+        (NOTE [ Range statistics on the steps that gather statistics ])."""
+        self.ranging = ranging
         if self._begun == step:
             return  # the window reopened within the step: keep the seed sequence going
         self._begun = step

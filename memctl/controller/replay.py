@@ -106,7 +106,7 @@ class Replayer:
         return "gradient" if gains is None else "update"
 
     def end_metric(self) -> None:
-        """Let the gains go (a copy of every parameter's size)."""
+        """Let the gains go: later replays are in the gradient's metric."""
         self._gains = None
 
     def capture(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:

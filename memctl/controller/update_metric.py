@@ -129,25 +129,25 @@ class UpdateMetric:
                 out[i] = mean
         return out
 
-    def grad_sq(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor] | None:
+    def grad_sq(self, grads: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Σ gain² ‖g‖² of the (parameter, gradient) pairs as float32 scalars to sum, one per
-        device and dtype (one ``_foreach_norm`` each); None for the gradient's metric."""
+        device and dtype (one ``_foreach_norm`` each); in the gradient's metric (no gains) Σ ‖g‖²."""
         gains = self.gains([p for p, _ in grads])
-        if gains is None:
-            return None
-        Gains = list[torch.Tensor | float]
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], Gains]] = {}
-        for (_, g), gain in zip(grads, gains, strict=True):
-            if not (isinstance(gain, float) and gain == 0.0):
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor | float]]]
+        groups = {}
+        for i, (_, g) in enumerate(grads):
+            gain = 1.0 if gains is None else gains[i]
+            if not (isinstance(gain, float) and gain == 0.0):  # a parameter no step moves
                 group = groups.setdefault((g.device, g.dtype), ([], []))
                 group[0].append(g)
                 group[1].append(gain)
         out = []
         for gs, gain_list in groups.values():
             norms = torch.stack(torch._foreach_norm(gs)).float()
-            out.append((norms * _stacked(gain_list, norms.device)).square().sum())
+            if gains is not None:
+                norms = norms * _stacked(gain_list, norms.device)
+            out.append(norms.square().sum())
         return out
-
 
 def _moment(state: dict[str, object] | None, group: dict[str, object]) -> _Moment | None:
     """One parameter's :class:`_Moment`, or None when the optimizer keeps no second moment of it."""

@@ -103,12 +103,14 @@ def test_grad_sq_is_the_gains_squared_times_each_gradients_squared_norm() -> Non
     params = list(model.parameters())
     grads = [torch.randn_like(p) for p in params]
     metric = UpdateMetric(opt)
-    got = sum(float(x) for x in metric.grad_sq(list(zip(params, grads, strict=True))) or [])
+    got = sum(float(x) for x in metric.grad_sq(list(zip(params, grads, strict=True))))
     expected = sum(gain ** 2 * float(g.square().sum()) for gain, g in zip(_gains(metric, params), grads,
                                                                            strict=True))
     assert got == pytest.approx(expected, rel=1e-5)
-    sgd = torch.optim.SGD(params, lr=1e-2)
-    assert UpdateMetric(sgd).grad_sq(list(zip(params, grads, strict=True))) is None
+    plain = sum(float(g.square().sum()) for g in grads)  # the gradient's metric: no gains
+    pairs = list(zip(params, grads, strict=True))
+    for gradient_metric in (UpdateMetric(torch.optim.SGD(params, lr=1e-2)), UpdateMetric(opt, enabled=False)):
+        assert sum(float(x) for x in gradient_metric.grad_sq(pairs)) == pytest.approx(plain, rel=1e-5)
 
 
 def test_a_replay_between_begin_and_end_metric_is_each_parameters_gradient_times_its_gain() -> None:
