@@ -13,7 +13,7 @@ from memctl.controller.calibration import Calibration
 from memctl.controller.config import ControllerConfig
 from memctl.controller.hooks import ModuleTracker
 from memctl.controller.replay import Capture, Replayer, exact
-from memctl.controller.update_metric import UpdateMetric
+from memctl.controller.update_metric import SCALE_FLOOR, UpdateMetric
 from memctl.errors import ConfigError
 
 
@@ -96,6 +96,27 @@ def test_parameters_the_optimizer_does_not_hold_weigh_nothing_and_those_without_
     mean = sum(g * n for g, n in with_state) / sum(n for _, n in with_state)
     assert got[4] == pytest.approx(mean, rel=1e-6)
     assert got[5] == 0.0
+
+
+def test_a_tensor_whose_gradients_have_not_started_gains_at_most_the_floor_of_the_largest_scale() -> None:
+    # a zero-initialised scale in front of a branch: neither the scale nor the branch behind it
+    # takes a gradient at first, and Adam's v̂ of both is 0 (a gain of 1/ε without the floor)
+    torch.manual_seed(0)
+    trunk, branch = nn.Linear(4, 4), nn.Linear(4, 4)
+    scale = nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([*trunk.parameters(), *branch.parameters(), scale], lr=1e-2, eps=1e-8)
+    x = torch.randn(16, 4)
+    (trunk(x) + scale * branch(x)).square().mean().backward()
+    opt.step()
+    params = [*trunk.parameters(), *branch.parameters(), scale]
+    assert float(opt.state[branch.weight]["exp_avg_sq"].abs().max()) == 0.0
+    largest = max(math.sqrt(float(opt.state[p]["exp_avg_sq"].mean()) / (1 - 0.999)) for p in params)
+    floor = 1 / (SCALE_FLOOR * largest + 1e-8)
+    got = _gains(UpdateMetric(opt), params)
+    assert got[2] == pytest.approx(floor, rel=1e-5) and got[3] == pytest.approx(floor, rel=1e-5)
+    assert all(g <= floor * (1 + 1e-5) for g in got)
+    # asked for the branch alone, its gain is still against the largest scale of all
+    assert _gains(UpdateMetric(opt), [branch.weight])[0] == pytest.approx(floor, rel=1e-5)
 
 
 def test_grad_sq_is_the_gains_squared_times_each_gradients_squared_norm() -> None:
