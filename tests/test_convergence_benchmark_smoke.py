@@ -33,11 +33,7 @@ def test_convergence_benchmark_runs_both_tasks() -> None:
 
 
 def test_stdlib_text_is_deterministic_english() -> None:
-    sys.path.insert(0, str(_SCRIPT.parent))
-    try:
-        import convergence
-    finally:
-        sys.path.remove(str(_SCRIPT.parent))
+    convergence = _convergence()
     train, val = convergence.stdlib_docstrings()
     assert len(train) > 500_000 and len(val) > 50_000
     assert max(train) < 128 and b" the " in train
@@ -45,11 +41,7 @@ def test_stdlib_text_is_deterministic_english() -> None:
 
 
 def test_cosine_schedule_decays_the_learning_rate_to_zero_and_constant_keeps_it() -> None:
-    sys.path.insert(0, str(_SCRIPT.parent))
-    try:
-        import convergence
-    finally:
-        sys.path.remove(str(_SCRIPT.parent))
+    convergence = _convergence()
     rates = {}
     for schedule in convergence.SCHEDULES:
         task = convergence.Task("digits", 0, 8, schedule)
@@ -82,13 +74,48 @@ def test_convergence_benchmark_audits_the_variance_model_on_fresh_batches() -> N
     found = re.search(r"over 1 batch within 2x: (\d+)/(\d+) ", lines[0])
     assert found is not None and int(found.group(2)) == 8, lines[0]  # 2 layers at each of 4 widths
     assert "each batch alone" not in out.stdout  # fresh batches have no training order
-    sys.path.insert(0, str(_SCRIPT.parent))
-    try:
-        import convergence
-    finally:
-        sys.path.remove(str(_SCRIPT.parent))
+    convergence = _convergence()
     task = convergence.Task("digits", 0, 4)
     fresh = task.fresh_batches(2, 0)
     assert len(fresh) == 2 and fresh[0][0].shape == task.batches[0][0].shape
     assert not torch.equal(fresh[0][0], task.batches[0][0])  # another draw than training's
     assert all(torch.equal(a[0], b[0]) for a, b in zip(fresh, task.fresh_batches(2, 0), strict=True))
+
+
+def _convergence():
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        import convergence
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
+    return convergence
+
+
+def test_perturbed_plain_runs_start_from_weights_changed_in_the_sixth_digit() -> None:
+    convergence = _convergence()
+    plain = convergence.run_worker("digits", "plain", 2, 0, 1, False, {}, "cosine")
+    perturbed = convergence.run_worker("digits", "plain1", 2, 0, 1, False, {}, "cosine")
+    again = convergence.run_worker("digits", "plain1", 2, 0, 1, False, {}, "cosine")
+    assert perturbed["val_loss"] != plain["val_loss"]  # another draw ...
+    assert abs(perturbed["val_loss"] / plain["val_loss"] - 1) < 1e-3  # ... from nearly the same start
+    assert again["val_loss"] == perturbed["val_loss"]  # the digit seeds it
+    assert "ratio" not in perturbed  # plain PyTorch: no memctl
+
+
+def test_summary_compares_with_the_mean_of_plains_runs_with_a_standard_error() -> None:
+    convergence = _convergence()
+
+    def result(config: str, seed: int, val: float) -> dict:
+        return {"task": "digits", "config": config, "seed": seed, "val_loss": val, "val_acc": 99.0}
+
+    runs = [result("plain", 0, 1.0), result("plain1", 0, 1.2), result("default", 0, 1.21),
+            result("plain", 1, 2.0), result("plain1", 1, 2.0), result("default", 1, 1.96)]
+    results = {(r["config"], r["seed"]): r for r in runs}
+    lines = convergence.summary("digits", results, [0, 1], ["plain", "default", "plain1"])
+    against = {line.split()[1]: line for line in lines if "mean of plain's runs" in line}
+    # default: +10% and -2% against the means 1.1 and 2.0: mean +4%, standard error 6%
+    assert "+4.00% ± 6.00%" in against["default"], against
+    assert "per seed [-2.00, +10.00]" in against["default"]
+    # without perturbed runs there is nothing to average: the plain comparison alone
+    plain_only = convergence.summary("digits", results, [0, 1], ["plain", "default"])
+    assert not any("mean of plain's runs" in line for line in plain_only)
