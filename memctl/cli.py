@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="device-memory budget, e.g. '2GiB', '800MB' or '75%%' (default: none)")
     demo.add_argument("--bits", type=float, default=2.0,
                       help="average bits per compressed value without a budget (default 2)")
+    demo.add_argument("--warmup-steps", type=int, default=0,
+                      help="the memctl run's first N steps at 8 bits (default 0: none)")
     demo.add_argument("--device", default="auto", help="'auto' (GPU if there is one), 'cpu' or 'cuda'")
     demo.add_argument("--port", type=int, default=0, help="API port (default 0: any free port)")
     demo.add_argument("--out", default="memctl-out", help="output directory (default ./memctl-out)")
@@ -228,7 +230,7 @@ def _demo(args: argparse.Namespace) -> int:
     opts = DemoOptions(steps=args.steps, batch_size=args.batch_size, budget=args.budget, bits=args.bits,
                        device=args.device, port=args.port, out=args.out, baseline=not args.no_baseline,
                        progress=not args.no_progress, tensorboard=args.tensorboard,
-                       lr_schedule=args.lr_schedule)
+                       lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps)
     try:
         check_options(opts)  # everything, before minutes of training
         run_demo(opts)

@@ -69,6 +69,8 @@ class DemoOptions:
     model: a run of plain PyTorch under a tiny gradient perturbation lands 8-21% from its own
     validation loss (benchmarks/convergence.py), so the two runs' accuracies, a few of 357 test
     images apart, say more about the last batches than about memctl."""
+    warmup_steps: int = 0
+    """The memctl run's first steps at 8 bits (``Controller(warmup_steps=...)``, NOTE [ Warm-up ])."""
 
 
 LR_SCHEDULES = ("cosine", "constant")
@@ -140,6 +142,10 @@ def check_options(opts: DemoOptions) -> torch.device:
         ControllerConfig(bits=opts.bits)
     except ConfigError as exc:
         raise ConfigError(f"--bits {opts.bits:g}: {exc}") from None
+    try:
+        ControllerConfig(warmup_steps=opts.warmup_steps)
+    except ConfigError as exc:
+        raise ConfigError(f"--warmup-steps {opts.warmup_steps}: {exc}") from None
     device = _pick_device(opts.device)
     resolve_budget(parse_budget(opts.budget), device_total_bytes(device))
     if isinstance(opts.port, bool) or not isinstance(opts.port, int) or not 0 <= opts.port <= 65535:
@@ -225,7 +231,8 @@ def _train(opts: DemoOptions, device: torch.device, use_memctl: bool,
     saved_raw = _saved_bytes_plain(model, xtr[: opts.batch_size], ytr[: opts.batch_size])
     tb = None
     if use_memctl:
-        ctl = memctl.Controller(model, opt, budget=opts.budget, bits=opts.bits)
+        ctl = memctl.Controller(model, opt, budget=opts.budget, bits=opts.bits,
+                                warmup_steps=opts.warmup_steps)
         handle = ctl.serve(host=opts.host, port=opts.port)
         url = handle.url
         announce(f"memctl API and dashboard at {url}  (try: memctl status --url {url})")
@@ -341,7 +348,9 @@ def run_demo(opts: DemoOptions, out: Any = None) -> DemoResult:
 
     device = check_options(opts)
     announce(f"memctl demo: digits CNN on {device}, {opts.steps} steps of batch {opts.batch_size}, "
-             f"budget {opts.budget or 'none'} (average {opts.bits:g} bits), {opts.lr_schedule} learning rate")
+             f"budget {opts.budget or 'none'} (average {opts.bits:g} bits"
+             f"{f', the first {opts.warmup_steps} steps at 8' if opts.warmup_steps else ''}), "
+             f"{opts.lr_schedule} learning rate")
     runs = []
     if opts.baseline:
         runs.append(_train(opts, device, use_memctl=False, announce=announce)[0])

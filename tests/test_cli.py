@@ -247,3 +247,17 @@ def test_status_shows_the_budget_split_in_readable_sizes(capsys: pytest.CaptureF
     assert f"activations held {format_bytes(held)}" in out
     assert "not counted: the CUDA context, other processes" in out
     assert not re.search(r"\d{7,}", out), out  # no raw byte counts
+
+
+def test_demo_warmup_steps_reach_the_controller_and_bad_ones_are_named(tmp_path: Path) -> None:
+    from memctl.cli import build_parser
+    from memctl.demo import DemoOptions, _train, check_options
+    from memctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--warmup-steps -3: warmup_steps=-3: must be an int >= 0"):
+        check_options(DemoOptions(out=str(tmp_path), warmup_steps=-3))
+    opts = DemoOptions(steps=3, batch_size=32, device="cpu", out=str(tmp_path), progress=False,
+                       warmup_steps=2)
+    _, stats, _ = _train(opts, torch.device("cpu"), use_memctl=True, announce=print)
+    assert [e["step"] for e in stats["events"] if e["kind"] == "warmup"] == [2]
+    assert build_parser().parse_args(["demo", "--warmup-steps", "50"]).warmup_steps == 50

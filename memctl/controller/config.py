@@ -91,6 +91,13 @@ class ControllerConfig:
             carries it, each parameter's gradient over the optimizer's own scale (Adam's
             ``√mean v̂ + ε``) when the optimizer keeps one (NOTE [ Update metric ] in
             update_metric.py says what each costs).
+        warmup_steps: the controller's first this many optimizer steps (a loaded state's count
+            included) save every tensor the
+            allocation controls at the widest of ``bit_choices`` (8 bits), whatever the policy
+            picks, unless a budget is set: the noise of the first steps, while Adam's
+            second-moment estimate holds a few gradients, is the noise that costs (NOTE
+            [ Warm-up ] in policy.py). 0 (the default): none. Those steps hold about 4x the
+            activation memory of steps at 2 bits.
         calibration_fraction: share of the training time the calibration probes may take
             (NOTE [ Calibration ]); 0 turns calibration off (the closed-form model alone).
         calibration_max_replays: most layer measurements in one probe.
@@ -144,6 +151,7 @@ class ControllerConfig:
     objective: Objective | None = None
     variance_bound: float = 0.05
     variance_metric: str = "gradient"
+    warmup_steps: int = 0
     calibration_fraction: float = 0.25
     calibration_max_replays: int = 16
     calibration_groups: bool = False
@@ -207,6 +215,7 @@ class ControllerConfig:
                 f"variance_metric={self.variance_metric!r}: must be 'update' (noise as the optimizer's "
                 "step carries it) or 'gradient' (the gradient's squared norm)"
             )
+        _positive_int("warmup_steps", self.warmup_steps, zero_ok=True)
         fraction = self.calibration_fraction
         if not (isinstance(fraction, int | float) and not isinstance(fraction, bool)
                 and math.isfinite(fraction) and fraction >= 0):

@@ -161,6 +161,7 @@ class Controller:
         self._event_counts: dict[str, int] = {}
         self._layers: dict[str, LayerState] = {}
         self._step = 0
+        self._warmup_choice = (float(max(self.config.bit_choices)), None)  # NOTE [ Warm-up ]
         self._fallbacks = 0
         self._fallback_layers: set[str] = set()
         self._errors = 0
@@ -407,6 +408,8 @@ class Controller:
             _log.debug("codec fallback on layer %r: %s", layer, exc)
 
     def _choice_for(self, layer: str) -> tuple[float, float | None]:
+        if self._step < self.config.warmup_steps and self._budget_spec is None:  # NOTE [ Warm-up ]
+            return self._warmup_choice
         state = self._layers.get(layer)
         if state is None or state.bits is None:
             # the same for every such layer while the budget is set or not (the config is frozen):
@@ -540,6 +543,11 @@ class Controller:
             ranks.end_step(self, solved)
         self._packer.refresh_parameters(self.model, full=due)  # NOTE [ Parameter scan ]
         self._step += 1
+        if self._step == self.config.warmup_steps and self._budget_spec is None:  # NOTE [ Warm-up ]
+            message = (f"warm-up over after {self._step} optimizer steps at {self._warmup_choice[0]:g} "
+                       "bits: the allocation's widths apply now")
+            _log.info("memctl: %s", message)
+            self._event("warmup", message)
         if ranks is not None and ranks.left:  # NOTE [ Leaving the agreement ]
             self._ranks = None
         elif ranks is not None:
