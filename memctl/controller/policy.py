@@ -62,7 +62,8 @@ remembers those gradients for ~1/(1 - β₂) steps. Measured on the demo's digit
 mean of three plain runs a seed): ``bits=2`` +3.59% ± 0.55 of plain's validation loss;
 ``bits=2`` attached only from step 50 (plain before) +0.44% ± 0.56, as close as plain's own
 reruns (+0.16-0.28%); ``bits=2`` for the first 50 steps only, then plain, +3.12% ± 0.85.
-With ``warmup_steps=50``: ``bits=2`` **+0.17% ± 0.63**, the default policy +0.13% ± 0.72
+With ``warmup_steps=50``: ``bits=2`` **+0.17% ± 0.63** (``warmup_steps=20``: +1.35% ± 0.58,
+the window is tens of steps), the default policy +0.13% ± 0.72
 (+1.56% ± 0.66 without; it keeps the widest choice at its first step, NOTE [ Default
 policy ], and spends 2.2-3.2 bits over the first 50-150 steps as its probes find the
 sensitive layers), both at 12.1x at the end as without. On the text model (AdamW, constant
