@@ -92,12 +92,11 @@ class ControllerConfig:
             ``√mean v̂ + ε``) when the optimizer keeps one (NOTE [ Update metric ] in
             update_metric.py says what each costs).
         warmup_steps: the controller's first this many optimizer steps (a loaded state's count
-            included) save every tensor the
-            allocation controls at the widest of ``bit_choices`` (8 bits), whatever the policy
-            picks, unless a budget is set: the noise of the first steps, while Adam's
-            second-moment estimate holds a few gradients, is the noise that costs (NOTE
-            [ Warm-up ] in policy.py). 0 (the default): none. Those steps hold about 4x the
-            activation memory of steps at 2 bits.
+            included) save every tensor the allocation controls at the widest of
+            ``bit_choices`` (8 bits), whatever the policy picks, unless a budget is set: the
+            noise of the first steps, while Adam's second-moment estimate holds a few
+            gradients, is the noise that costs (NOTE [ Warm-up ] in policy.py). 0 (the
+            default): none. Those steps hold about 4x the activation memory of 2-bit steps.
         calibration_fraction: share of the training time the calibration probes may take
             (NOTE [ Calibration ]); 0 turns calibration off (the closed-form model alone).
         calibration_max_replays: most layer measurements in one probe.

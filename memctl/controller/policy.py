@@ -52,7 +52,8 @@ them the guard acted on (EfficientNet-B0, ``transformer_block``) under its budge
 
 NOTE [ Warm-up ]
 ``warmup_steps=N`` saves every tensor the allocation controls at the widest bit choice for
-the first N optimizer steps after attaching, whatever the policy picked (the allocation
+the controller's first N optimizer steps (a loaded state's count included), whatever the
+policy picked (the allocation
 still runs, and its widths apply from step N on); with a budget set the budget decides, as
 always. The noise that costs is the first steps': Adam's step is ``m̂ / (√v̂ + ε)``, and while
 v̂ holds a few squared gradients a coordinate's step is nearly its gradient's sign at the full
@@ -70,7 +71,7 @@ sensitive layers), both at 12.1x at the end as without. On the text model (AdamW
 rate, seeds 0 and 1) ``bits=2`` +0.47%/+0.67% -> +0.18%/+0.29%, the default +0.90%/+0.66%
 -> +0.38%/+0.42%. It is off by default because those steps hold about four times the
 activation memory of 2-bit steps, so a run that fits only at 2 bits would not start, and a
-run shorter than the warm-up would not be compressed at all; ``bits=`` asks for a size,
+run shorter than the warm-up would run at 8 bits throughout; ``bits=`` asks for a size,
 and the warm-up is the user's to grant.
 """
 
