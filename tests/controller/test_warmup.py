@@ -67,3 +67,14 @@ def test_the_default_policy_warms_up_too() -> None:
 def test_warmup_steps_must_be_a_count(value) -> None:
     with pytest.raises(ConfigError, match=r"warmup_steps=.*must be an int >= 0"):
         memctl.Controller(nn.Linear(2, 2), warmup_steps=value)
+
+
+def test_a_loaded_state_counts_its_steps_toward_the_warm_up() -> None:
+    model, opt, ctl = _setup(bits=2.0, warmup_steps=2)
+    _steps(model, opt, ctl, 3)
+    state = ctl.state_dict()
+    ctl.detach()
+    model2, opt2, resumed = _setup(bits=2.0, warmup_steps=2)
+    resumed.load_state_dict(state)
+    assert _steps(model2, opt2, resumed, 1) == [2.0]  # step 3 of the run: the warm-up is over
+    resumed.detach()
