@@ -134,6 +134,28 @@ same layers at both ends. A probe takes its median over all that have one now, a
 RegNetY's step-10 re-solve: 88 layers at 2 bits and 24 at 4, none at 8, the estimates at 2 bits
 of the blocks' last batch norms 0.02-0.06.
 
+NOTE [ One bit is never quieter than two ]
+A layer's 1-bit estimate is at least ``ONE_BIT_LEAST`` (4) times its 2-bit one. Stochastic
+rounding to 1 bit adds at least the variance rounding to 2 bits adds at every value of a
+group (with ``u`` the value above the group's minimum and ``R`` the range, ``u(R − u) ≥
+(u − kΔ)((k + 1)Δ − u)`` for ``Δ = R/3``), and summed over groups of 256 it is 9x for
+values spread evenly over the range, 11.7x for normal ones, 8.2-8.4x for half-normal ones
+(with or without ReLU's zeros), 6.9x for a GELU's outputs and 4.5x for log-normal ones. A
+1-bit measurement is one or two draws, though, and 1 bit keeps its own (NOTE [ Pooling the
+widths from 2 bits up ]): on the LSTM of ``benchmarks/convergence.py --tasks text-lstm``
+(fused layers, whose backward runs the layer again from the rounded input) the second probe
+measured the recurrent layer at 1 bit below 2 bits (1.05e-3 against 1.25e-3 of the unit,
+where fixed-width runs at the same step measure 8x between them), and ``bits=2`` took 1 bit
+there, as the quieter and smaller choice: +6.4% of plain's validation loss over 300 steps,
+until the guard raised it at step 150, against +2.4% with 1 bit out of ``bit_choices``.
+With the floor that allocation keeps 2 bits on both layers (the sixteen models of
+``fidelity.py`` allocate as before). It does not settle the LSTM at ``bits=2``: at seeds 0
+and 2 the guard then raises the head to 4 bits at step 150, and holding the average takes
+the recurrent layer to 1 bit after all (+10.0% and +9.0%; seed 1, no guard event, +2.6%).
+What 1 bit there costs under AdamW the gradient's metric does not see: fixed-width runs put
+its added ‖Δg‖² at 0.3% of ‖g‖², where the head's at 2 bits is 7%; in the update metric
+(NOTE [ Update metric ]) ``bits=2`` ends +2.15% and the default +0.54% (seed 0).
+
 NOTE [ Widths a record is stored at ]
 A layer given ``b`` bits does not always store its records at ``b``: the input of a
 value-dependent op (GELU, SiLU, hardswish, ELU, ...) whose output no record holds is encoded
@@ -314,6 +336,9 @@ __all__ = ["EIGHT_BIT_RANGES", "Calibration", "Measurement", "closed_form", "law
 
 # 1-bit over 2-bit noise factor assumed until one is measured (ResNet-18 shows up to ~7.5).
 _DEFAULT_ONE_BIT_EXCESS = 8.0
+ONE_BIT_LEAST = 4.0
+"""The least a layer's 1-bit estimate is, in 2-bit estimates (NOTE [ One bit is never quieter
+than two ])."""
 _DRIFT_CLIP = 2.0
 _STALE_STEPS = 50
 """A measurement this many steps older than one of the same layer at another width gives way
@@ -539,7 +564,15 @@ class Calibration:
 
     # -- the model ----------------------------------------------------------------------
     def estimate(self, state: LayerState, fallback_g2: float, bits: float) -> float:
-        """V_l(b) of NOTE [ Calibration ] (the closed form when nothing was measured yet)."""
+        """V_l(b) of NOTE [ Calibration ] (the closed form when nothing was measured yet); at 1 bit
+        at least :data:`ONE_BIT_LEAST` times the 2-bit estimate (NOTE [ One bit is never quieter
+        than two ])."""
+        value = self._estimate(state, fallback_g2, bits)
+        if int(bits) == 1:
+            value = max(value, ONE_BIT_LEAST * self._estimate(state, fallback_g2, 2))
+        return value
+
+    def _estimate(self, state: LayerState, fallback_g2: float, bits: float) -> float:
         if bits >= KEEP_BITS:
             return 0.0
         b = int(bits)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memctl
-from memctl.controller.calibration import Calibration, closed_form, law
+from memctl.controller.calibration import ONE_BIT_LEAST, Calibration, closed_form, law
 from memctl.controller.config import ControllerConfig
 from memctl.controller.stats import LayerState, grad_sq_names, median_grad_sq
 from tests.controller.test_guard import NoisyNet, _steps
@@ -39,6 +39,21 @@ def test_fitted_width_factor_makes_the_uniform_total_match_the_measurement() -> 
     cal2.record("a", 2, 100.0, closed_form(a, 1.0, 2), step=0)
     cal2.fit_width(2, 40.0, [a, b, c], 1.0)
     assert math.isclose(cal2.estimate(b, 1.0, 2) + cal2.estimate(c, 1.0, 2), 10.0, rel_tol=1e-9)
+
+
+def test_a_one_bit_draw_below_two_bits_is_raised_to_four_times_two_bits() -> None:
+    """NOTE [ One bit is never quieter than two ]: a layer measured quieter at 1 bit than at 2 (one
+    low draw) must not look the quieter and smaller choice to the allocation."""
+    a = _layer("a", 1.0)
+    cal = Calibration(ControllerConfig())
+    cal.record("a", 2, 1.25e-3, closed_form(a, 1.0, 2), step=0)
+    cal.record("a", 1, 1.05e-3, closed_form(a, 1.0, 1), step=0)  # the LSTM's draws, in units
+    two = cal.estimate(a, 1.0, 2)
+    assert two == pytest.approx(1.25e-3)
+    assert cal.estimate(a, 1.0, 1) == pytest.approx(ONE_BIT_LEAST * two)
+    # a 1-bit draw above the floor stands as it was measured
+    cal.record("a", 1, 20e-3, closed_form(a, 1.0, 1), step=0)
+    assert cal.estimate(a, 1.0, 1) > ONE_BIT_LEAST * two
 
 
 def test_an_eight_bit_measurement_predicts_eight_bits_only() -> None:
