@@ -142,8 +142,21 @@ def test_loss_trend_turning_raises_the_largest_contributor() -> None:
     layers = [LayerNoise("a", 1.0, 0.01), LayerNoise("b", 1.0, 5.0), LayerNoise("c", 2.0, 0.2)]
     raised = guard.raise_bits(layers, 0.5, step=14)
     assert raised == [("b", 1.0, 2.0)]
-    assert guard.floors == {"b": 2.0}
+    # c keeps its 2 bits (NOTE [ A raise is not paid for with 1 bit ]); a, at 1 bit, is left as it is
+    assert guard.floors == {"b": 2.0, "c": 2.0}
     assert not guard.loss_turning(step=15)  # patience after acting
+
+
+def test_a_raise_is_not_paid_for_with_one_bit_elsewhere() -> None:
+    guard = ConvergenceGuard(tolerance=0.25, choices=(1, 2, 4, 8))
+    layers = [LayerNoise("head", 2.0, 5.0), LayerNoise("rnn", 2.0, 0.1), LayerNoise("emb", 4.0, 0.01),
+              LayerNoise("tiny", 1.0, 0.001)]
+    assert guard.raise_bits(layers, 0.5, step=3) == [("head", 2.0, 4.0)]
+    assert guard.floors == {"head": 4.0, "rnn": 2.0, "emb": 2.0}  # 2 bits, not their widths
+    # without a width of 2 bits or more below the top there is nothing to keep
+    only = ConvergenceGuard(tolerance=0.25, choices=(1, 8))
+    assert only.raise_bits([LayerNoise("a", 1.0, 1.0), LayerNoise("b", 1.0, 0.1)], 0.5, step=3)
+    assert only.floors == {"a": 8.0}
 
 
 def test_loss_guard_needs_a_history_and_ignores_noise() -> None:
