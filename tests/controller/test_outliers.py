@@ -129,12 +129,14 @@ def test_an_ordinary_draw_is_not_reprobed() -> None:
 def test_a_draw_far_above_the_layer_measurements_is_reprobed() -> None:
     config = ControllerConfig(calibration_max_replays=1)
     cal = Calibration(config)
-    for bits in config.bit_choices:  # every width measured: the probe re-measures the stalest
-        cal.record("a", bits, 0.5, closed_form(_layer("a"), 1.0, bits), 0)
-    # 20x the measured 0.5: suspect but not absurd (the gradient scale here is the noise, 1)
-    result = _probe(_ScriptedReplayer("a", [10.0], ordinary=0.5), cal, _exact, config, step=10)
+    for bits in config.bit_choices:  # every width measured: the probe re-measures the stalest (1 bit)
+        # 1 bit at four times 2 bits' (NOTE [ One bit is never quieter than two ]: no less is predicted)
+        cal.record("a", bits, 2.0 if bits == 1 else 0.5, closed_form(_layer("a"), 1.0, bits), 0)
+    # 20x the measured 2.0: suspect but not absurd (the gradient scale here is the noise, 1)
+    result = _probe(_ScriptedReplayer("a", [40.0], ordinary=2.0), cal, _exact, config, step=10)
+    assert result.measured[0][1] == 1
     assert result.redraws == 2 and not result.unsafe
-    assert math.isclose(result.measured[0][2], 0.5, rel_tol=1e-6)
+    assert math.isclose(result.measured[0][2], 2.0, rel_tol=1e-6)
 
 
 def test_an_absurd_draw_of_the_allocation_in_use_is_a_tail() -> None:
