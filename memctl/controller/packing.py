@@ -2213,7 +2213,7 @@ class Packer:
             lo, hi = meta[:, 0].float(), meta[:, 1].float()
         else:
             lo, hi = _group_ranges(t.detach().reshape(-1).float(), self._config.group_size)
-        self._keep_meta(rec, _RangeTerms.of(t.numel(), lo, hi).meta)
+        self._keep_meta(rec, _range_meta(lo, hi))
 
     def _keep_meta(self, rec: LayerStep, meta: torch.Tensor | list[Any]) -> None:
         """Keep ``meta`` (float32 ``(groups, 2)``: each group's min and max) for ``rec``'s range
@@ -2247,7 +2247,7 @@ class Packer:
         if not rec.ranged:
             return
         flat = t.detach().reshape(-1).float()
-        self._keep_meta(rec, _RangeTerms.of(t.numel(), *_group_ranges(flat, self._config.group_size)).meta)
+        self._keep_meta(rec, _range_meta(*_group_ranges(flat, self._config.group_size)))
 
     def _fold_ranges(self) -> None:
         """Reduce the group metadata kept by :meth:`_range_stats` (NOTE [ Range statistics ]).
@@ -2397,18 +2397,10 @@ def _nbytes(p: Packed) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class _RangeTerms:
-    """One derived record's group ranges: its size and its groups' ``(min, max)`` as a quantize
-    record's metadata, float32 ``(groups, 2)`` (NOTE [ Range statistics ])."""
-
-    numel: int
-    meta: torch.Tensor
-
-    @classmethod
-    def of(cls, numel: int, lo: torch.Tensor, hi: torch.Tensor) -> _RangeTerms:
-        """The ranges of a record of ``numel`` values from its groups' ``lo`` and ``hi``."""
-        return cls(numel, torch.stack((lo.float(), hi.float()), 1))
+def _range_meta(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Groups' ``lo`` and ``hi`` as a quantize record's metadata, float32 ``(groups, 2)``, for
+    :meth:`Packer._keep_meta` (NOTE [ Range statistics ])."""
+    return torch.stack((lo.float(), hi.float()), 1)
 
 
 def _segment_ranges(metas: list[torch.Tensor], counts: list[int],

@@ -53,26 +53,25 @@ them the guard acted on (EfficientNet-B0, ``transformer_block``) under its budge
 NOTE [ Warm-up ]
 ``warmup_steps=N`` saves every tensor the allocation controls at the widest bit choice for
 the controller's first N optimizer steps (a loaded state's count included), whatever the
-policy picked (the allocation
-still runs, and its widths apply from step N on); with a budget set the budget decides, as
-always. The noise that costs is the first steps': Adam's step is ``m̂ / (√v̂ + ε)``, and while
-v̂ holds a few squared gradients a coordinate's step is nearly its gradient's sign at the full
-rate, so noise that flips a small gradient moves the weight the whole step; v̂ then
-remembers those gradients for ~1/(1 - β₂) steps. Measured on the demo's digits
-(``benchmarks/convergence.py --schedule cosine``, Adam, 300 steps, ten seeds, against the
-mean of three plain runs a seed): ``bits=2`` +3.59% ± 0.55 of plain's validation loss;
-``bits=2`` attached only from step 50 (plain before) +0.44% ± 0.56, as close as plain's own
-reruns (+0.16-0.28%); ``bits=2`` for the first 50 steps only, then plain, +3.12% ± 0.85.
-With ``warmup_steps=50``: ``bits=2`` **+0.17% ± 0.63** (``warmup_steps=20``: +1.35% ± 0.58,
-the window is tens of steps), the default policy +0.13% ± 0.72
-(+1.56% ± 0.66 without; it keeps the widest choice at its first step, NOTE [ Default
+policy picked (the allocation still runs, and its widths apply from step N on); with a
+budget set the budget decides, as always. The noise that costs is the first steps': Adam's
+step is ``m̂ / (√v̂ + ε)``, and while v̂ holds a few squared gradients a coordinate's step
+is nearly its gradient's sign at the full rate, so noise that flips a small gradient moves
+the weight the whole step; v̂ then remembers those gradients for ~1/(1 - β₂) steps. Measured
+on the demo's digits (``benchmarks/convergence.py --schedule cosine``, Adam, 300 steps, ten
+seeds, against the mean of three plain runs a seed): ``bits=2`` +3.59% ± 0.55 of plain's
+validation loss; ``bits=2`` attached only from step 50 (plain before) +0.44% ± 0.56, as
+close as plain's own reruns (+0.16-0.28%); ``bits=2`` for the first 50 steps only, then
+plain, +3.12% ± 0.85. With ``warmup_steps=50``: ``bits=2`` **+0.17% ± 0.63**
+(``warmup_steps=20``: +1.35% ± 0.58, the window is tens of steps), the default policy +0.13%
+± 0.72 (+1.56% ± 0.66 without; it keeps the widest choice at its first step, NOTE [ Default
 policy ], and spends 2.2-3.2 bits over the first 50-150 steps as its probes find the
 sensitive layers), both at 12.1x at the end as without. On the text model (AdamW, constant
-rate, seeds 0 and 1) ``bits=2`` +0.47%/+0.67% -> +0.18%/+0.29%, the default +0.90%/+0.66%
--> +0.38%/+0.42%. It is off by default because those steps hold about four times the
-activation memory of 2-bit steps, so a run that fits only at 2 bits would not start, and a
-run shorter than the warm-up would run at 8 bits throughout; ``bits=`` asks for a size,
-and the warm-up is the user's to grant.
+rate, seeds 0 and 1) ``bits=2`` +0.47%/+0.67% -> +0.18%/+0.29%, the default +0.90%/+0.66% ->
++0.38%/+0.42%. It is off by default because those steps hold about four times the activation
+memory of 2-bit steps, so a run that fits only at 2 bits would not start, and a run shorter
+than the warm-up would run at 8 bits throughout; ``bits=`` asks for a size, and the warm-up
+is the user's to grant.
 """
 
 from __future__ import annotations

@@ -147,15 +147,19 @@ class LayerState:
         vmin, vmax, range_sum, g2 = scalars
         if step.mins:
             self.vmin, self.vmax = vmin, vmax
-        if step.range_terms:  # read on the steps that gather statistics: decayed per step, too
-            gap = max(self.seen_steps - self.range_step, 1)
-            self.ema_range_term = _ema(self.ema_range_term, range_sum / self.batch, decay ** gap)
+        # both read on the steps that gather statistics only (NOTE [ Sparse gradient statistics ]):
+        # their decay runs per step seen, not per reading
+        if step.range_terms:
+            self.ema_range_term = self._per_step(self.ema_range_term, range_sum / self.batch, decay,
+                                                 self.range_step)
             self.range_step = self.seen_steps
         if step.grad_sq and math.isfinite(g2):
-            # NOTE [ Sparse gradient statistics ]: the decay runs per step, not per reading
-            gap = max(self.seen_steps - self.grad_step, 1)
-            self.ema_grad_sq = _ema(self.ema_grad_sq, g2, decay ** gap)
+            self.ema_grad_sq = self._per_step(self.ema_grad_sq, g2, decay, self.grad_step)
             self.grad_step = self.seen_steps
+
+    def _per_step(self, old: float | None, value: float, decay: float, last: int) -> float:
+        """``_ema`` decayed once per step seen since ``last`` (at least once)."""
+        return _ema(old, value, decay ** max(self.seen_steps - last, 1))
 
     def sensitivity(self, fallback_grad_sq: float) -> float:
         """C_l of NOTE [ Sensitivity ] (0 when the layer saved nothing quantisable)."""
