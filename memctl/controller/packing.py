@@ -189,6 +189,7 @@ from memctl.codecs.base import Codec, Impl, Packed, decodes_mask, mask_floor
 from memctl.codecs.lossless.codec import bits_record
 from memctl.codecs.quantize import BITS, packed_nbytes, poll_checks, settle_checks
 from memctl.codecs.quantize._kernels import square_read_segments_cpu
+from memctl.codecs.quantize.codec import group_at
 from memctl.controller.attention import MATMULS, logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
@@ -1679,7 +1680,7 @@ class Packer:
             if group != self._config.group_size:
                 self._group_hints_next[saved.slot] = group
         if found.bits is not None and old_bits >= found.bits:
-            if old.params.get("group_size") != group:
+            if old.params.get("group_size") != group_at(old_bits, group):  # (8 bits: a quarter of it)
                 self._regroup(saved, source, old, group, found.layer)
             return
         seed = self._next_seed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 
 import memctl
 from memctl.codecs.base import Packed
+from memctl.controller import packing
 from memctl.controller.config import ControllerConfig
 from memctl.controller.derived import Derived, root_of
 from memctl.controller.hooks import ModuleTracker
@@ -487,3 +489,39 @@ def test_group_norm_statistics_are_exact_and_its_tensors_keep_the_layer_bits() -
     values = [s for s, t in records if tuple(t.shape) == (8, 16, 4, 4)]
     assert len(stats) == 2 and {_stored_bits(s) for s in stats} == {None}
     assert values and {_stored_bits(s) for s in values} == {2}  # no floor: the layer's bits
+
+
+def test_a_record_at_an_eight_bit_floor_is_not_encoded_again_every_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 8-bit record (groups of a quarter of the configured group, NOTE [ Eight-bit groups ]) already
+    at its floor is left as it is, not stored again in the same groups (the attention's query and
+    key were, every step)."""
+    calls: collections.Counter[str] = collections.Counter()
+    original = packing.Packer._regroup
+
+    def regroup(self: packing.Packer, *args: Any) -> None:
+        calls[args[-1]] += 1
+        original(self, *args)
+
+    monkeypatch.setattr(packing.Packer, "_regroup", regroup)
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(64, 192)
+            self.out = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(8, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v)
+            return self.out(o.transpose(1, 2).reshape(8, 128, 64).mean(1))
+
+    torch.manual_seed(0)
+    model = Attention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    memctl.Controller(model, opt, bits=2, calibration_fraction=0, monitor_interval_s=0)
+    for _ in range(5):
+        F.cross_entropy(model(torch.randn(8, 128, 64)), torch.randint(0, 10, (8,))).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not calls
