@@ -62,6 +62,9 @@ class ControllerConfig:
         norm_bits: least bits of LayerNorm's and RMSNorm's (fused, or written out as
             ``x * rsqrt(mean(x²) + eps)``) input and output (where the next op saves it);
             ``None``: no floor.
+        head_bits: least bits of the inputs of the model's head, the matrix product or
+            convolution that makes the logits its output (or its loss) comes from (NOTE [ The
+            head's input ] in heads.py); ``None``: no floor.
         gate_bits: least bits of the layers around a residual branch closed by a normalisation
             scale near zero (the scale's own input, the residual sum's reader and the shortcut's
             last layer) while it stays closed (NOTE [ Gates near zero ] in gates.py); ``None``:
@@ -140,6 +143,7 @@ class ControllerConfig:
     attention_value_bits: int | None = 4
     attention_recompute: bool = True
     norm_bits: int | None = 4
+    head_bits: int | None = 4
     gate_bits: int | None = 4
     keep_inputs: bool = True
     fused_rnn: bool = True
@@ -193,7 +197,7 @@ class ControllerConfig:
                 f"log_prob_bits={self.log_prob_bits!r}: must be 4 or 8 (bits of the stored "
                 "probabilities), or None to keep log-softmax outputs exact"
             )
-        for name in ("attention_bits", "attention_value_bits", "norm_bits", "gate_bits"):
+        for name in ("attention_bits", "attention_value_bits", "norm_bits", "head_bits", "gate_bits"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in (2, 4, 8)):
                 raise ConfigError(

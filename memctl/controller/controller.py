@@ -358,7 +358,7 @@ class Controller:
             # The model's forward is over (or raised): drop the inputs still waiting for the op
             # that saved them, which would otherwise keep this forward's graph alive
             # (NOTE [ Finding the op that saved a tensor ]).
-            self._packer.end_forward()
+            self._packer.end_forward(output)  # NOTE [ The head's input ]: the head from the outputs
         if self._await_output and self._tracker.model_depth == 0 and self._capture is not None:
             self._await_output = False
             self._replayer.watch_outputs(self._capture, output)

@@ -218,6 +218,7 @@ from memctl.controller.floors import (
     row_group,
 )
 from memctl.controller.fsdp import FsdpParameters, local_tensor
+from memctl.controller.heads import HEAD, head_nodes
 from memctl.controller.hooks import ROOT, ModuleTracker
 from memctl.controller.inputs import ModelInputs
 from memctl.controller.layout import LAYOUT, below_layout, layout_of, replay
@@ -786,8 +787,8 @@ class Packer:
             self._floors.note(t, saved, saved.layer)
         return saved
 
-    def end_forward(self) -> None:
-        """The model's forward ended: no pending input can be matched any more."""
+    def end_forward(self, outputs: Any = None) -> None:
+        """The model's forward ended, with ``outputs``: no pending input can be matched any more."""
         if self._queue:
             self.settle()
         if self._unread_norms:
@@ -798,6 +799,8 @@ class Packer:
             self._flush_log_probs()
         for saved, source in self._regions.outputs.leftover():
             self._raise_unread(saved, source)
+        if outputs is not None and self._config.head_bits is not None and self._producers:
+            self._floor_heads(outputs, self._config.head_bits)
         settle_checks()  # NOTE [ Exception lists without a wait ]: no input is held into the backward
         self._regions.clear()
         self._floors.clear()
@@ -897,6 +900,27 @@ class Packer:
             rec = self.record(held.layer)
             rec.fixed_bytes += kept.nbytes - held.source.nbytes
             rec.packed_bytes += kept.nbytes - held.source.nbytes
+
+    def _floor_heads(self, outputs: Any, bits: int) -> None:
+        """Store the inputs of the head ``outputs`` come from at ``bits`` (NOTE [ The head's input ]
+        in heads.py): now, while their source is alive, and from the next forward on by place."""
+        if self._config.codec is not CodecMode.QUANTIZE:
+            return
+        for node in head_nodes(outputs):
+            for parent, nr in node.next_functions:
+                entry = self._producers.get((id(parent), int(nr))) if parent is not None else None
+                saved = entry[1]() if entry is not None and entry[0] is parent else None
+                if saved is None or saved.layer is None or saved.slot is None:
+                    continue  # a record at a floor of its own, or outside every layer
+                data = saved.data
+                if not isinstance(data, Packed) or data.codec != "quantize":
+                    continue  # derived from others: keeps what it has
+                source = saved.source() if isinstance(saved.source, weakref.ref) else None
+                # a batch's piece (NOTE [ Batched small records ]) is written with its batch
+                if source is not None and source._version == saved.version and type(data) is not BatchRecord:
+                    self._raise_to_floor(Raise(saved, source, saved.layer, bits, node, HEAD))
+                else:  # gone: stored at the floor from the next forward on
+                    self._hints_next[saved.slot] = max(self._hints_next.get(saved.slot, 0), bits)
 
     def _forget_producers(self) -> None:
         self._producers.clear()
@@ -1302,14 +1326,18 @@ class Packer:
                 self._derivations.found()
                 return derived
         slot: _Slot = (layer, rec.tensors, numel)
-        hint = self._floor_hints.get(slot) if part is None else None
+        hint = self._floor_hints.get(slot)
         # NOTE [ Norm rows in groups of their own ] in floors.py: a norm's record by place
         group = self._group_hints.get(slot) if part is None and self._group_hints else None
-        if hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE:
+        floored = hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE
+        if floored and part is None and hint is not None:
             rec.numels.pop()  # NOTE [ Floors known from the last forward ]
             saved = self._at_floor(t, hint, layer, rec, group)
             saved.slot = slot
             return saved
+        if floored and hint is not None:  # with its region code (a ReLU result that a head reads)
+            rec.numels.pop()
+            bits = hint
         seed = self._next_seed()
         quantised = config.codec is not CodecMode.ERRORBOUND or error_bound is None
         if part is None and self._batching and quantised and group is None:
@@ -1328,9 +1356,13 @@ class Packer:
             return Saved(t.detach().clone(), t)
         if region is not None:
             rec.packed_bytes += region.nbytes
-        rec.bit_values += bits * numel
         rec.packed_bytes += _nbytes(p)
-        self._range_stats(t, p, rec, group)
+        if floored:  # outside the allocation's control, as _at_floor's records
+            rec.fixed_bytes += _nbytes(p)
+            rec.floored_bytes += _nbytes(p)
+        else:
+            rec.bit_values += bits * numel
+            self._range_stats(t, p, rec, group)
         saved = Saved(p, t, () if region is None else (region,), layer=layer)
         saved.slot = slot
         return saved
@@ -1675,6 +1707,8 @@ class Packer:
         group = self._config.group_size
         if found.kind == NORM and found.bits is not None:  # NOTE [ Norm rows in groups of their own ]
             group = row_group(source, group)
+        elif found.kind == HEAD and saved.slot is not None:  # a norm's record keeps its rows' groups
+            group = self._group_hints_next.get(saved.slot) or self._group_hints.get(saved.slot) or group
         if saved.slot is not None:  # NOTE [ Floors known from the last forward ]
             self._hints_next[saved.slot] = KEEP_BITS if found.bits is None else found.bits
             if group != self._config.group_size:

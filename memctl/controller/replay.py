@@ -164,7 +164,7 @@ class Replayer:
                 with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
                     out = model(*args, **kwargs)
                     packer.observe(out)  # the model's own output, then its forward's end, as in training
-                    packer.end_forward()
+                    packer.end_forward(out)
                 outs: list[torch.Tensor] = []
                 cotangents: list[torch.Tensor] = []
                 flat = flatten_tensors(out)

@@ -218,8 +218,9 @@ def test_predictions_follow_a_gradient_that_shrinks_after_the_last_probe() -> No
     torch.manual_seed(0)
     model = NoisyNet(12.0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    # head_bits=None: every layer under the allocation's control, the head's input too
     ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64, allocation_interval=1000,
-                            calibration_fraction=1000.0)
+                            calibration_fraction=1000.0, head_bits=None)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 32, generator=g)
     y = (x @ torch.randn(32, 10, generator=g)).argmax(1)

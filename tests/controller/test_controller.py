@@ -172,7 +172,8 @@ def test_two_bits_training_converges() -> None:
     # bits=2 is an average: the calibrated allocation may trade 1 bit on one layer for 4 on
     # another (which it does depends on the probes' measured draws), never more on average
     assert 1.0 <= ctl.stats()["avg_bits"] <= 2.0 + 0.01
-    assert ctl.stats()["ratio"] > 8
+    # the head's input, one of the MLP's three compressed tensors, at 4 bits (NOTE [ The head's input ])
+    assert ctl.stats()["ratio"] > 7
     ctl.detach()
 
 

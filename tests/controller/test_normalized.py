@@ -38,8 +38,9 @@ def _run(model: nn.Module, bits: int | None, seed: int = 0) -> tuple[torch.Tenso
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = None
     if bits is not None:
+        # head_bits=None: c2, the output layer, reads the chain's records at the same bits
         ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
-                                calibration_fraction=0.0)
+                                calibration_fraction=0.0, head_bits=None)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8, 3, 16, 16, generator=g)
     upstream = torch.randn(8, 8, 16, 16, generator=g)  # saved outside the model: kept exact

@@ -413,7 +413,9 @@ def _packed(model: nn.Module, bits: int | None) -> tuple[dict[str, int], torch.T
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = None
     if bits is not None:
-        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0)
+        # head_bits=None: the linear layer, the net's head, reads f(x) at the records' own bits
+        ctl = memctl.Controller(model, opt, bits=float(bits), bit_choices=(bits,), monitor_interval_s=0,
+                                head_bits=None)
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)) * 2.0
     opt.zero_grad()
     model(x).square().sum().backward()

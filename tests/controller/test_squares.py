@@ -72,8 +72,9 @@ def test_only_the_ops_own_backward_reads_the_corrected_values(monkeypatch: pytes
     torch.manual_seed(0)
     model = _Gated()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    # head_bits=None: the tanh's result, which the last layer reads, at 2 bits too
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0, min_numel=0)
+                            calibration_fraction=0.0, min_numel=0, head_bits=None)
     model(torch.randn(64, 64)).square().mean().backward()
     ctl.detach()
     by = {(name, tuple(t.shape)): t for name, t in reads}
@@ -95,8 +96,9 @@ def _first_layer_draws(draws: int) -> tuple[torch.Tensor, torch.Tensor]:
     model(x).square().mean().backward()
     exact = model.a.weight.grad.flatten().clone()
     opt.zero_grad()
+    # head_bits=None: the tanh's result, which the last layer reads, at 2 bits too
     ctl = memctl.Controller(model, opt, bits=2.0, bit_choices=(2,), monitor_interval_s=0,
-                            calibration_fraction=0.0, min_numel=0)
+                            calibration_fraction=0.0, min_numel=0, head_bits=None)
     rows = []
     for _ in range(draws):
         model(x).square().mean().backward()

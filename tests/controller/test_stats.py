@@ -151,8 +151,9 @@ def test_ranges_are_kept_on_the_steps_that_gather_statistics_and_on_a_layers_fir
     torch.manual_seed(0)
     model = _Branchy({2, 7})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # head_bits=None: the head's input under the allocation's control, with its ranges
     ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, allocation_interval=5,
-                            calibration_fraction=0, min_numel=64)
+                            calibration_fraction=0, min_numel=64, head_bits=None)
     seen: dict[str, list[int]] = {}
     fold = LayerState.fold
 

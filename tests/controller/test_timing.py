@@ -56,8 +56,9 @@ def test_a_training_run_fills_the_histograms_and_counters() -> None:
     assert timings["step"]["count"] == 5
     compressed = timings["encode"]["count"]
     assert compressed >= 5 * 2  # fc1 and fc2 outputs (>= min_numel values) in each of 5 steps
-    # Every compressed tensor is read back; one saved by two ops (ReLU, then Linear) twice.
-    assert compressed <= timings["decode"]["count"] <= 2 * compressed
+    # Every compressed tensor is read back; one saved by two ops (ReLU, then Linear) twice. The
+    # first step stores the head's input once more, at its floor (NOTE [ The head's input ]).
+    assert compressed - 1 <= timings["decode"]["count"] <= 2 * compressed
     assert timings["step"]["sum"] >= timings["encode"]["sum"] + timings["decode"]["sum"]
     events = snap["counters"]["events"]
     assert events["attach"] == 1 and events["budget"] == 1
