@@ -62,7 +62,7 @@ from memctl.controller.packing import Packer
 from memctl.controller.probe import ProbeResult, run_probe
 from memctl.controller.probe_share import apply_share, replay_module, share_probe
 from memctl.controller.publication import Publication
-from memctl.controller.recurrent import RecurrentMode, attach_recurrent
+from memctl.controller.recurrent import LEAST_BITS, RecurrentMode, attach_recurrent, recurrent_layers
 from memctl.controller.replay import Capture, Replayer
 from memctl.controller.state import STATE_VERSION, validate_state
 from memctl.controller.stats import LayerState, LayerStep, ScalarRead, median_grad_sq, start_read
@@ -206,6 +206,7 @@ class Controller:
         self._gates = GateFloors(model, self.config.gate_bits) if self.config.gate_bits is not None else None
         """NOTE [ Gates near zero ]."""
         self._gate_floors: dict[str, float] = {}
+        self._recurrent_layers = recurrent_layers(model)  # NOTE [ No 1 bit for a recurrent layer ]
         self._capture: Capture | None = None
         self._trained_at = -_TRAIN_EVERY
         """The last step whose training gradient's ‖ĝ‖² was read (NOTE [ Gradient scale between probes ])."""
@@ -769,6 +770,8 @@ class Controller:
         self._refresh_gates()
         for name, f in self._gate_floors.items():  # NOTE [ Gates near zero ]
             evidence[name] = max(f, evidence.get(name, f))
+        for name in self._recurrent_layers:  # NOTE [ No 1 bit for a recurrent layer ]
+            evidence[name] = max(LEAST_BITS, evidence.get(name, LEAST_BITS))
         result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed,
                                  calibration.reference(), variance_fn=variance,
                                  floors=self._guard.floors, evidence_floors=evidence)
