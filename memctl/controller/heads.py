@@ -29,13 +29,13 @@ the ratio stayed 9.8x at ``bits=2``, where 8 bits took it to 6.6x).
 
 The head is found when the model's forward ends, from each output tensor's ``grad_fn``:
 the logits themselves (through views, casts and the bias a linear layer adds to a 3-D
-product), or a loss the model computed (Hugging Face
-models given labels): through the loss's own nodes (``nll_loss``, ``log_softmax``, the
-reductions, a scaling, label smoothing's sum), a chain that must pass a log-softmax or a loss
-node, so that a backbone returning its residual stream floors nothing. The head is the first
-node of a matrix product or convolution (:data:`HEADS`) there; its inputs that are compressed
-records are stored again at the floor while their source tensor is alive, and the same place
-packs at the floor from the next forward on (NOTE [ Floors known from the last forward ]).
+product), or a loss the model computed (Hugging Face models given labels) through the loss's
+own nodes (``nll_loss``, ``log_softmax``, the reductions, a scaling, label smoothing's sum), a
+chain that must pass a log-softmax or a loss node, so that a backbone returning its residual
+stream floors nothing. The head is the first node of a matrix product or convolution
+(:data:`HEADS`) there; its inputs that are compressed records are stored again at the floor
+while their source tensor is alive, and the same place packs at the floor from the next
+forward on (NOTE [ Floors known from the last forward ]; a ReLU result with its region code).
 A record derived from others (NOTE [ Outputs recomputed from the input ]) or already at a
 floor keeps what it has. ``codec="errorbound"`` keeps its bounds.
 """
