@@ -141,7 +141,7 @@ import torch
 from memctl.controller.walks import QuietWalks
 
 __all__ = [
-    "ATTENTION", "HOLDING", "NORM", "RECENT", "VALUES", "VIEWS", "FloorTracker", "Raise", "is_rsqrt",
+    "ATTENTION", "CASTS", "HOLDING", "NORM", "RECENT", "VALUES", "VIEWS", "FloorTracker", "Raise", "is_rsqrt",
     "row_group",
 ]
 
@@ -249,7 +249,8 @@ def _first_beyond(node: Any, skip: frozenset[str], limit: int = 6) -> Any:
     return None
 
 
-_CASTS = VIEWS | {"ToCopyBackward0"}
+CASTS = VIEWS | {"ToCopyBackward0"}
+"""View-like nodes and casts (a bfloat16 model's ``F.rms_norm`` on a CPU casts its output back)."""
 _RMS_PRODUCT = "MulBackward0"
 """The node of an explicit RMSNorm's product (:func:`_is_rms_norm` looks no further for any other)."""
 
@@ -263,7 +264,7 @@ def _is_rms_norm(node: Any) -> bool:
     for nxt, _ in node.next_functions:
         if is_rsqrt(nxt):
             return True
-        below = _first_beyond(nxt, _CASTS)
+        below = _first_beyond(nxt, CASTS)
         if type(below).__name__ == _RMS_PRODUCT and any(is_rsqrt(n) for n, _ in below.next_functions):
             return True
     return False
@@ -271,7 +272,7 @@ def _is_rms_norm(node: Any) -> bool:
 
 def is_rsqrt(node: Any) -> bool:
     """Whether ``node`` is (a cast or view of) an ``rsqrt``: an explicit RMSNorm's statistic."""
-    below = _first_beyond(node, _CASTS)
+    below = _first_beyond(node, CASTS)
     return below is not None and type(below).__name__ == "RsqrtBackward0"
 
 
@@ -371,7 +372,7 @@ class FloorTracker:
         self.walks.packed()
         name = type(node).__name__
         op = _OPS.get(name)
-        if op is None and name not in _CASTS and name != _RMS_PRODUCT:
+        if op is None and name not in CASTS and name != _RMS_PRODUCT:
             return None  # what _output_kind finds for any other op's output (the common case)
         kind = self._output_kind(node) if op is None or not op.result else op.result_kind or op.kind
         floor = self._floors.get(kind) if kind is not None else None
@@ -385,7 +386,7 @@ class FloorTracker:
         with ``output``."""
         for _ in range(_WALK_DEPTH + 2):
             name = type(node).__name__
-            if name not in _CASTS:
+            if name not in CASTS:
                 op = _OPS.get(name)
                 if op is None and _is_rms_norm(node):
                     return NORM

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from memctl.controller.floors import VIEWS
+from memctl.controller.floors import CASTS
 
 __all__ = ["HEAD", "HEADS", "head_nodes"]
 
@@ -58,8 +58,8 @@ HEADS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "Convolution
                    "LinearBackward0"})
 """Nodes of the ops a head is: the weight's gradient reads the saved input."""
 
-_CASTS = VIEWS | {"ToCopyBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2",
-                  "UnsqueezeBackward0", "ContiguousBackward0"}
+_CASTS = CASTS | {"SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0",
+                  "ContiguousBackward0"}
 """Nodes that only re-index, copy or cast: logits returned through them are still logits."""
 
 _ANCHORS = frozenset({"LogSoftmaxBackward0", "NllLossBackward0", "NllLoss2DBackward0",
@@ -80,6 +80,9 @@ _CHAIN = 16
 
 
 def _tensors(outputs: Any) -> Iterator[torch.Tensor]:
+    """The tensors at the top level of a model's outputs: not those nested further, as
+    ``replay.flatten_tensors`` finds them (a cache's keys and values are views of projections,
+    not logits)."""
     if isinstance(outputs, torch.Tensor):
         yield outputs
     elif isinstance(outputs, dict):  # Hugging Face's ModelOutput is a dict

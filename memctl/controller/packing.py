@@ -1330,14 +1330,13 @@ class Packer:
         # NOTE [ Norm rows in groups of their own ] in floors.py: a norm's record by place
         group = self._group_hints.get(slot) if part is None and self._group_hints else None
         floored = hint is not None and bits < hint and config.codec is CodecMode.QUANTIZE
-        if floored and part is None and hint is not None:
-            rec.numels.pop()  # NOTE [ Floors known from the last forward ]
-            saved = self._at_floor(t, hint, layer, rec, group)
-            saved.slot = slot
-            return saved
-        if floored and hint is not None:  # with its region code (a ReLU result that a head reads)
+        if hint is not None and floored:  # NOTE [ Floors known from the last forward ]
             rec.numels.pop()
-            bits = hint
+            if part is None:
+                saved = self._at_floor(t, hint, layer, rec, group)
+                saved.slot = slot
+                return saved
+            bits = hint  # with its region code (a ReLU result that a head reads), below
         seed = self._next_seed()
         quantised = config.codec is not CodecMode.ERRORBOUND or error_bound is None
         if part is None and self._batching and quantised and group is None:
