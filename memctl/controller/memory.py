@@ -51,6 +51,18 @@ def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     for t in tensors:
         if t.device.type == "meta":
             continue
+        if t.layout != torch.strided:  # a sparse gradient (``nn.Embedding(sparse=True)``): its parts
+            parts: tuple[torch.Tensor, ...]
+            if t.layout == torch.sparse_coo:
+                parts = (t._indices(), t._values())
+            elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+                parts = (t.crow_indices(), t.col_indices(), t.values())
+            elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+                parts = (t.ccol_indices(), t.row_indices(), t.values())
+            else:  # another layout: nothing to read its storage by
+                continue
+            total += tensor_bytes(iter(parts))
+            continue
         storage = local_tensor(t).untyped_storage()  # a DTensor's own storage cannot be read
         key = (str(t.device), storage.data_ptr())
         if key in seen:

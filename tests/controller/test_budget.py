@@ -233,3 +233,31 @@ def test_budget_change_at_an_empty_step_reallocates_at_the_next_real_one() -> No
     after = ctl.stats()["allocation"]
     assert after["step"] == 2 and after["reason"] == "budget change"
     ctl.detach()
+
+
+def test_sparse_gradients_count_in_static_memory() -> None:
+    """``nn.Embedding(sparse=True)``'s gradient has no storage to read: its indices and values
+    are counted (the step boundary failed on it, every step, and no allocation was made)."""
+    from memctl.controller.memory import tensor_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 128, sparse=True), nn.Flatten(), nn.Linear(8 * 128, 4))
+    dense = [p for n, p in model.named_parameters() if not n.startswith("0.")]
+    sparse_opt = torch.optim.SparseAdam(list(model[0].parameters()), lr=1e-2)
+    opt = torch.optim.Adam(dense, lr=1e-2)
+    ctl = memctl.Controller(model, opt, bits=2, monitor_interval_s=0, calibration_fraction=0)
+    tokens = torch.randint(0, 64, (16, 8))
+    for _ in range(3):
+        nn.functional.cross_entropy(model(tokens), tokens[:, 0] % 4).backward()
+        sparse_opt.step()
+        opt.step()
+        sparse_opt.zero_grad()
+        opt.zero_grad()
+    s = ctl.stats()
+    assert s["errors"] == 0 and s["allocation"] is not None
+    grad = model[0](tokens).sum()
+    grad.backward()
+    g = model[0].weight.grad
+    assert g is not None and g.is_sparse
+    assert tensor_bytes(iter([g])) == g._indices().nbytes + g._values().nbytes
+    ctl.detach()
