@@ -38,10 +38,11 @@ cast (``floors.CASTS``) that reaches a leaf's gradient accumulator within four s
 of them a copy, is held as it is, version-checked, like a parameter (:func:`_copy_of_parameter`).
 A view of the leaf alone is compressed as before (it holds no memory of its own, but tests
 and functional code stand leaves in for activations). A frozen weight's copy has no node to
-follow (the cast needs no gradient) and is compressed still; a compiled graph's tensors are
-all held (NOTE [ Graphs compiled by torch.compile ]). Under bfloat16 autocast on the CPU, 20
-steps of ``fidelity.py``'s models at 2 bits: MobileNetV3's final loss 0.644 -> 0.296 (plain
-0.242), GPT-2's 4.524 -> 4.315 (plain 4.312), ResNet-18's 0.0174 -> 0.0081 (plain 0.0071).
+follow (the cast needs no gradient): it is found by its values (NOTE [ Copies of parameters
+without a node ] in copies.py). A compiled graph's tensors are all held (NOTE [ Graphs
+compiled by torch.compile ]). Under bfloat16 autocast on the CPU, 20 steps of
+``fidelity.py``'s models at 2 bits: MobileNetV3's final loss 0.644 -> 0.296 (plain 0.242),
+GPT-2's 4.524 -> 4.315 (plain 4.312), ResNet-18's 0.0174 -> 0.0081 (plain 0.0071).
 
 NOTE [ Graphs compiled by torch.compile ]
 A model run under ``torch.compile`` saves its tensors from AOTAutograd's ``CompiledFunction``:
@@ -230,6 +231,7 @@ from memctl.controller.attention import MATMULS, logits_of, probabilities
 from memctl.controller.batches import BATCH_BELOW, BATCH_VALUES, Batch, Batches, BatchRecord
 from memctl.controller.collector import CollectorPause
 from memctl.controller.config import KEEP_BITS, CodecMode, ControllerConfig
+from memctl.controller.copies import ParameterCopies
 from memctl.controller.derived import (
     DERIVED_MAX_BITS,
     PRODUCTS,
@@ -473,6 +475,7 @@ class Packer:
         self._on_fallback = on_fallback
         self._codecs: dict[str, Codec] = {}
         self._param_ptrs: frozenset[int] = frozenset()
+        self._copies = ParameterCopies()
         self.compiled_passed = 0
         """Tensors a compiled graph saved, held as they are (NOTE [ Graphs compiled by torch.compile ])."""
         self._compiled_warned = False
@@ -590,6 +593,7 @@ class Packer:
         tensors = [local_tensor(p) for p in model.parameters()]
         tensors += [local_tensor(b) for b in model.buffers()]
         self._param_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        self._copies.set([local_tensor(p) for p in model.parameters()])
         self._param_tensors = tensors
         self._param_data = [t.data_ptr() for t in tensors]
         if self.fsdp.active:
@@ -630,6 +634,7 @@ class Packer:
             self._flush_log_probs()
         self._floors.walks.begin_forward()
         self._regions.walks.begin_forward()
+        self._copies.begin_forward()
         self._derivations.begin_forward()
         if self.packs != self._hints_packs:  # the last forward packed: its floors are the hints
             self._floor_hints, self._hints_next = self._hints_next, {}
@@ -790,6 +795,9 @@ class Packer:
                 self.passed += 1
                 return SavedRef(t)
             self._match(t, node)
+        elif self._copies.holds(t):  # a frozen weight's cast: NOTE [ Copies of parameters without a node ]
+            self.passed += 1
+            return SavedRef(t)
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
         shape = tuple(t.shape)
         flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place

@@ -10,21 +10,27 @@ import torch.nn.functional as F
 from torch import nn
 
 import memctl
+from memctl.controller.copies import ParameterCopies
 from memctl.controller.packing import _copy_of_parameter, _from_parameter
 from memctl.controller.versions import SavedRef
 
 
-def _net() -> nn.Module:
+def _net(frozen: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    if frozen:  # as in low-rank fine-tuning: the weights' casts need no gradient, and have no node
+        net[0].weight.requires_grad_(False)
+        net[3].weight.requires_grad_(False)
+    return net
 
 
-@pytest.mark.parametrize("bits", [1, 2])
-def test_the_input_gradient_under_autocast_is_plains(bits: int) -> None:
+@pytest.mark.parametrize(("bits", "frozen"), [(1, False), (2, False), (2, True)])
+def test_the_input_gradient_under_autocast_is_plains(bits: int, frozen: bool) -> None:
     """The gradient a net passes to its input reads its weights (and the ReLU's exact mask)
     only: with the weights' bfloat16 copies held as they are it is plain PyTorch's to the bit
-    (compressed, as they were, it carried their quantisation noise)."""
-    model = _net()
+    (compressed, as they were, it carried their quantisation noise: a cosine of 0.81 with the
+    weights frozen at 2 bits)."""
+    model = _net(frozen)
     plain = copy.deepcopy(model)
     ctl = memctl.Controller(model, bits=bits, bit_choices=(1, 2, 4, 8), monitor_interval_s=0,
                             calibration_fraction=0)
@@ -78,3 +84,35 @@ def test_only_copies_of_a_leaf_count() -> None:
     assert not _copy_of_parameter(h.to(torch.bfloat16).grad_fn)  # an activation's cast: compressed
     assert not _copy_of_parameter((lin.weight * 2).to(torch.bfloat16).grad_fn)  # computed from it
     assert not _copy_of_parameter(None)
+
+
+def test_a_nodeless_tensor_is_a_copy_by_its_values() -> None:
+    """NOTE [ Copies of parameters without a node ]: by shape, then values, once per place."""
+    lin = nn.Linear(16, 8)
+    copies = ParameterCopies()
+    copies.set(list(lin.parameters()))
+    with torch.no_grad():
+        cast = lin.weight.to(torch.bfloat16)
+        activation = torch.randn(8, 16)  # a parameter's shape, other values
+    calls = 0
+    real = torch.equal
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> bool:
+        nonlocal calls
+        calls += 1
+        return real(a, b)
+
+    for forward in range(3):
+        copies.begin_forward()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "equal", counting)
+            assert copies.holds(cast)
+            assert copies.holds(cast.t())  # the transpose a linear layer saves
+            assert not copies.holds(activation.to(torch.bfloat16))
+            assert not copies.holds(torch.randn(3, 5))  # no parameter's shape: not compared
+        if forward == 0:
+            first = calls
+    assert calls == first  # the places' answers were kept after the first forward
+    copies.set(list(nn.Linear(16, 8).parameters()))  # other parameters: asked again
+    copies.begin_forward()
+    assert not copies.holds(cast)
