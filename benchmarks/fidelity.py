@@ -36,6 +36,11 @@ the model and the loop hold those anyway; a batch norm saves its running statist
 its attention-bias indices), the process's peak RSS, and the wall time of the training
 loop. Prints figures, asserts nothing; progress goes to stderr.
 
+``--autocast`` runs every forward (plain's, the evaluations', every configuration's) under
+bfloat16 autocast, as mixed-precision training does: each layer then saves bfloat16
+activations and its weight's bfloat16 copy (NOTE [ Copies of parameters ] in
+``memctl/controller/packing.py``).
+
 ``--option NAME=VALUE`` (repeatable) passes a ``Controller`` keyword to every memctl
 configuration but ``cos8``; ``--no-checks`` skips the ``reseed`` and ``cos8`` runs, for a
 sweep of an option (``--configs default --no-checks --option variance_bound=0.03``).
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import json
 import math
@@ -362,8 +368,14 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
+def _precision(device: torch.device, autocast: bool) -> Any:
+    """The forward's context: bfloat16 autocast on ``device`` with ``--autocast``, else nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
 def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved: int,
-               threads: int, device: str = "cpu", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               threads: int, device: str = "cpu", extra: dict[str, Any] | None = None,
+               autocast: bool = False) -> dict[str, Any]:
     if threads > 0:
         torch.set_num_threads(threads)
     import memctl
@@ -380,15 +392,19 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
         x, y = batches[0]
         reference = _copy_model(model)
         rng = _rng_state()
-        loss_of(spec, reference, x, y).backward()
+        with _precision(dev, autocast):
+            ref_loss = loss_of(spec, reference, x, y)
+        ref_loss.backward()
         _set_rng_state(rng)
         ctl = memctl.Controller(model, opt, bits=8.0, bit_choices=(8,), monitor_interval_s=0)
-        loss_of(spec, model, x, y).backward()
+        with _precision(dev, autocast):
+            cos_loss = loss_of(spec, model, x, y)
+        cos_loss.backward()
         a, b = _flat_grad(model).double(), _flat_grad(reference).double()
         result["cos8"] = float(a @ b / (a.norm() * b.norm()))
         ctl.detach()
         return result
-    eval0 = evaluate(spec, model, batches, seed)  # before memctl attaches: the same in every run
+    eval0 = evaluate(spec, model, batches, seed, autocast)  # before memctl attaches: the same in every run
     ctl = None
     counter = _PlainCounter(model)
     packed_seen: set[int] = set()
@@ -427,10 +443,12 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
             collect[0] = True
             counter.hold(x, y)
         if config in _PLAIN and last:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
+            with hooks, _precision(dev, autocast):
                 loss = loss_of(spec, model, x, y)
         else:
-            loss = loss_of(spec, model, x, y)
+            with _precision(dev, autocast):
+                loss = loss_of(spec, model, x, y)
         if last and records:
             collect[0] = False
             packed_total[0] = sum(_record_bytes(r, counter.held, packed_seen) for r in records)
@@ -460,6 +478,7 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
 
             distinct = batches[-4:]  # make_batches cycles over 4; the last batch last
             result["audit"] = audit(ctl, [lambda x=x, y=y: loss_of(spec, model, x, y) for x, y in distinct])
+            # (the audit's replays run in float32: it checks the variance model, not a precision)
         ctl.detach()
     else:
         result["saved_bytes"] = sum(counter.storages.values())
@@ -467,13 +486,14 @@ def run_worker(model_name: str, config: str, steps: int, seed: int, plain_saved:
     evals = []
     for weights in tail:  # evaluated once memctl has let go of the model
         model.load_state_dict(weights)
-        evals.append(evaluate(spec, model, batches, seed))
+        evals.append(evaluate(spec, model, batches, seed, autocast))
     result["evals"] = evals
     result["evalN"] = _mean(evals)
     return result
 
 
-def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor]], seed: int) -> float:
+def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor]], seed: int,
+             autocast: bool = False) -> float:
     """Mean loss over the (up to 4) distinct batches, without gradients, in training mode
     (batch statistics, as the training steps see them) and with the same random draws
     (dropout, stochastic depth) in every run: a less noisy end point than the last steps'
@@ -484,7 +504,8 @@ def evaluate(spec: Spec, model: nn.Module, batches: list[tuple[Any, torch.Tensor
     with torch.no_grad():
         for i, (x, y) in enumerate(batches[:4]):
             torch.manual_seed(seed + 7919 + i)
-            total.append(float(loss_of(spec, model, x, y)))
+            with _precision(x.device, autocast):
+                total.append(float(loss_of(spec, model, x, y)))
         for b, saved in zip(model.buffers(), buffers, strict=True):
             b.copy_(saved)  # BatchNorm's running statistics as training left them
     _set_rng_state(rng)
@@ -624,10 +645,11 @@ def _copy_model(model: nn.Module) -> nn.Module:
 
 # -- the driver ---------------------------------------------------------------------------------
 def _run_config(model: str, config: str, steps: int, seed: int, plain_saved: int, timeout: float,
-                threads: int, device: str = "cpu", options: tuple[str, ...] = ()) -> dict[str, Any]:
+                threads: int, device: str = "cpu", options: tuple[str, ...] = (),
+                autocast: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", model, config, "--steps", str(steps),
            "--seed", str(seed), "--plain-saved", str(plain_saved), "--threads", str(threads),
-           "--device", device]
+           "--device", device] + (["--autocast"] if autocast else [])
     cmd += [arg for option in options for arg in ("--option", option)]
     return run_child(cmd, threads, timeout, {"model": model, "config": config})
 
@@ -720,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                     help="a Controller keyword for every memctl configuration (not cos8), "
                          "e.g. variance_bound=0.03")
+    ap.add_argument("--autocast", action="store_true",
+                    help="every run's forward under bfloat16 autocast (mixed precision), plain's too")
     ap.add_argument("--no-checks", action="store_true",
                     help="skip the reseed and cos8 runs (a sweep of --option)")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
@@ -735,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker:
         result = run_worker(args.worker[0], args.worker[1], args.steps, args.seed, args.plain_saved,
-                            args.threads, args.device, extra)
+                            args.threads, args.device, extra, args.autocast)
         print("RESULT " + json.dumps(result))
         return 0
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -752,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
     print(f"# {steps} steps, seed {args.seed}, device {args.device}, {args.threads or 'default'} thread(s) "
-          f"per process{''.join(', ' + o for o in args.option)}; {TARGETS}")
+          f"per process{', bfloat16 autocast' if args.autocast else ''}"
+          f"{''.join(', ' + o for o in args.option)}; {TARGETS}")
     print(HEADER)
     for name in models:
         spec = SPECS[name]
@@ -763,19 +788,19 @@ def main(argv: list[str] | None = None) -> int:
         rows: dict[str, dict[str, Any]] = {}
         _progress(f"{name}: plain")
         rows["plain"] = _run_config(name, "plain", steps, args.seed, 0, args.timeout, args.threads,
-                                    args.device)
+                                    args.device, autocast=args.autocast)
         plain_saved = int(rows["plain"].get("saved_bytes", 0))
         if not (args.quick or args.no_checks):
             _progress(f"{name}: reseed")
             rows["reseed"] = _run_config(name, "reseed", steps, args.seed, 0, args.timeout, args.threads,
-                                         args.device)
+                                         args.device, autocast=args.autocast)
             _progress(f"{name}: cos8")
             rows["cos8"] = _run_config(name, "cos8", steps, args.seed, plain_saved, args.timeout,
-                                       args.threads, args.device)
+                                       args.threads, args.device, autocast=args.autocast)
         for config in configs:
             _progress(f"{name}: {config}")
             rows[config] = _run_config(name, config, steps, args.seed, plain_saved, args.timeout,
-                                       args.threads, args.device, tuple(args.option))
+                                       args.threads, args.device, tuple(args.option), args.autocast)
         for line in summarise(rows):
             print(line, flush=True)
         audit_lines = summarise_audit(name, rows.get("varcheck", {}).get("audit") or [])

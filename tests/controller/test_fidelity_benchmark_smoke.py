@@ -13,9 +13,10 @@ import pytest
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fidelity.py"
 
 
-def _run(model: str) -> list[str]:
+def _run(model: str, *extra: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, str(_SCRIPT), "--models", model, "--steps", "2", "--configs", "bits2", "--quick"],
+        [sys.executable, str(_SCRIPT), "--models", model, "--steps", "2", "--configs", "bits2", "--quick",
+         *extra],
         capture_output=True,
         text=True,
         timeout=900,
@@ -41,6 +42,16 @@ def test_fidelity_benchmark_runs_the_project_model() -> None:
     # and the two agree: the outside count follows recomputed records to their roots (a batch
     # norm's normalised input is a record the pack hook never returns itself)
     assert 0.67 < float(bits2[9].rstrip("x")) / float(bits2[8].rstrip("x")) < 1.5, bits2
+
+
+def test_fidelity_benchmark_runs_under_autocast() -> None:
+    """``--autocast``: every forward under bfloat16 autocast; the activations a layer saves are
+    bfloat16, half of float32's bytes, so the ratio at 2 bits is about half of float32's."""
+    lines = _run("cnn", "--autocast")
+    assert any("bfloat16 autocast" in line for line in lines)
+    plain, bits2 = _row(lines, "cnn", "plain"), _row(lines, "cnn", "bits2")
+    assert plain[6] == "no" and "error" not in bits2
+    assert 2.0 < float(bits2[8].rstrip("x")) < 8.0
 
 
 @pytest.mark.skipif(
