@@ -2503,10 +2503,10 @@ def _copy_of_parameter(node: Any) -> bool:
 
 
 _COMPILED_WARNING = (
-    "memctl: the model's forward runs as a graph compiled by torch.compile, whose ops memctl cannot "
-    "see (a ReLU's mask, an attention, a norm): the tensors it saves are kept as they are, not "
-    "compressed (at 2 bits a compiled ResNet-18 stopped learning). Compile the model's submodules "
-    "instead of the whole model, or leave it uncompiled, for memctl to compress its activations."
+    "memctl: part of the model runs as a graph compiled by torch.compile, whose ops memctl cannot "
+    "see (a ReLU's mask, an attention, a norm): the tensors a compiled graph saves are kept as they "
+    "are, not compressed (at 2 bits a compiled ResNet-18 stopped learning). Leave the model, or the "
+    "parts whose activations should shrink, uncompiled: those are compressed as usual."
 )
 
 
