@@ -405,3 +405,50 @@ def test_encode_into_reports_non_finite_values_and_checks_its_buffers() -> None:
         codec.encode_into(t, torch.empty(16, dtype=torch.uint8), meta, bits=2)
     with pytest.raises(CodecError, match="bits=3"):
         codec.encode_into(t, payload, meta, bits=3)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_float64_goes_through_float32_and_keeps_what_float32_cannot_hold(bits: int, impl: str) -> None:
+    """NOTE [ Float64 through float32 ]: the record of the float32 values, decoded to float64;
+    values outside float32's range come back exactly, with the non-finite ones."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=g, dtype=torch.float64)
+    special = {5: 1e300, 7: float("nan"), 9: -1e39, 11: float("inf"), 13: 3e38}
+    for i, v in special.items():
+        x[i] = v
+    codec = get("quantize")
+    p = codec.encode(x, bits=bits, seed=3, impl=impl)
+    same = codec.encode(x.float().clamp(-3.4e38, 3.4e38), bits=bits, seed=3, impl=impl)
+    y = codec.decode(p)
+    assert y.dtype is torch.float64 and y.shape == x.shape
+    for i in (5, 9, 11):
+        assert y[i].item() == x[i].item()
+    assert math.isnan(y[7].item())
+    assert p.buffers["exc_value"].dtype is torch.float64
+    # the finite values: float32's record, byte for byte (beyond the out-of-range ones' groups)
+    ordinary = [k for k in range(1, p.buffers["meta"].shape[0])]
+    assert torch.equal(p.buffers["meta"][ordinary], same.buffers["meta"][ordinary])
+    finite = torch.isfinite(x) & (x.abs() < 1e30)
+    step = float(x[finite].max() - x[finite].min())
+    assert (y[finite] - x[finite]).abs().max().item() <= step
+
+
+def test_a_float64_model_is_compressed() -> None:
+    """It was a codec failure on every layer, kept uncompressed with a warning each."""
+    from torch import nn
+
+    import memctl
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).double()
+    ctl = memctl.Controller(model, bits=2, monitor_interval_s=0, calibration_fraction=0)
+    x, y = torch.randn(256, 64, dtype=torch.float64), torch.randint(0, 10, (256,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            nn.functional.cross_entropy(model(x), y).backward()
+            ctl.step()
+    s = ctl.stats()
+    assert s["fallbacks"] == 0 and s["packed_bytes"] * 8 < s["raw_bytes"]
+    ctl.detach()

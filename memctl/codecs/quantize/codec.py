@@ -9,6 +9,8 @@ Format (one record per tensor; ``n`` values of the flattened tensor, ``G`` the g
   bit offset ``(j*b) % 8`` (little-endian within a byte); the last group's padding codes are 0.
 - ``exc_index`` (int64) and ``exc_value`` (float32): positions and original values of the
   NaN/±Inf inputs, which are coded 0 and written back by decode (see NOTE [ Exception list ]).
+  A float64 tensor is quantised through its float32 values (NOTE [ Float64 through float32 ]):
+  its exceptions are also the values outside float32's range, kept in float64.
 
 Encode, per finite value ``x`` of a group with ``mn, mx = meta[g]`` (all float64, IEEE)::
 
@@ -163,12 +165,26 @@ def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     return ngroups * (g * b // 8) + ngroups * 2 * 4
 
 
+ENCODES = (*FLOAT_DTYPES, torch.float64)
+"""The dtypes ``encode`` takes.
+
+NOTE [ Float64 through float32 ]
+A float64 tensor (a scientific model trained in double precision) is quantised through its
+float32 values: at 8 bits or fewer a value's quantisation step is far above float32's rounding,
+so the kernels, the metadata and the payload stay those of float32, and decode casts back to
+float64. A finite float64 value outside float32's range becomes ±Inf in float32, where it would
+come back as an infinity: such values go to the exception list with the non-finite ones, in
+float64, and come back exactly. Values below float32's smallest subnormal come back as zero,
+within their group's step.
+"""
+
+
 def _check_input(t: torch.Tensor) -> None:
     """A tensor of a dtype ``encode`` takes, else a ``CodecError`` naming the fix."""
     _backend.require_tensor(t, _NAME)
-    if t.dtype not in FLOAT_DTYPES:
+    if t.dtype not in ENCODES:
         raise CodecError(
-            f"'quantize' encodes {[str(d) for d in FLOAT_DTYPES]}, got {t.dtype}; "
+            f"'quantize' encodes {[str(d) for d in ENCODES]}, got {t.dtype}; "
             "convert with .float() or use the 'lossless' codec"
         )
 
@@ -180,15 +196,19 @@ def _flat_float32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def _exceptions(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and values of the non-finite entries of a flat float32 tensor."""
+def _exceptions(flat: torch.Tensor, source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and values of the non-finite entries of a flat float32 tensor; the values are
+    ``source``'s own when it is the float64 tensor ``flat`` was made from (NOTE [ Float64 through
+    float32 ]: a finite value outside float32's range is one of them)."""
     index = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
+    if source is not None and source.dtype is torch.float64:
+        return index, source.detach().reshape(-1)[index]
     return index, flat[index]
 
 
 def _source_exceptions(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions and values (as float32) of the non-finite entries of a tensor of any shape."""
-    return _exceptions(_flat_float32(t))
+    return _exceptions(_flat_float32(t), t)
 
 
 class QuantizeCodec:
@@ -222,7 +242,7 @@ class QuantizeCodec:
         seed: int = 0,
         impl: Impl | str | None = None,
     ) -> Packed:
-        """Quantize ``t`` (float32/16, bfloat16; any shape and layout) to ``bits`` per value."""
+        """Quantize ``t`` (float32/16, bfloat16, float64; any shape and layout) to ``bits`` per value."""
         _check_input(t)
         if error_bound is not None:
             raise CodecError(
@@ -273,7 +293,7 @@ class QuantizeCodec:
             buffers = {"payload": payload, "meta": meta, "exc_index": empty_index, "exc_value": empty_value}
             return _pending.pend(buffers, _source_exceptions, t, nonfinite)
         if nonfinite:
-            exc_index, exc_value = _exceptions(flat)
+            exc_index, exc_value = _exceptions(flat, t)
         else:
             exc_index, exc_value = self._empty.get(payload.device) or self._no_exceptions(payload.device)
         return {"payload": payload, "meta": meta, "exc_index": exc_index, "exc_value": exc_value}
@@ -286,7 +306,7 @@ class QuantizeCodec:
         _backend.require_tensor(t, _NAME)
         if impl is not None:
             impl = _backend.resolve_impl(impl, t.device)
-        if impl is Impl.REFERENCE or t.dtype not in FLOAT_DTYPES:
+        if impl is Impl.REFERENCE or t.dtype not in ENCODES:
             from memctl.codecs.lossless.codec import LosslessCodec
 
             record = self.encode(t, bits=bits, seed=seed, impl=impl)
@@ -349,7 +369,7 @@ class QuantizeCodec:
         """The exception buffers ``encode(t)`` writes (positions and values of the non-finite
         entries; shared empty ones when there are none), for :meth:`encode_into`'s callers."""
         flat = _flat_float32(t)
-        index, value = _exceptions(flat)
+        index, value = _exceptions(flat, t)
         if not index.numel():
             return self._no_exceptions(flat.device)
         return index, value
