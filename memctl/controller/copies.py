@@ -7,15 +7,18 @@ none: under autocast over a model whose base weights are frozen (low-rank fine-t
 cast needs no gradient, so it has no node, and the layer saves it for the gradient it passes
 down, where its quantisation noise reaches every layer below (the input gradient of a frozen
 convolution and linear layer under bfloat16 autocast had a cosine of 0.81 to plain's at 2
-bits). Such a tensor is recognised by its values: a saved tensor with no node whose shape is
-a parameter's (or a matrix parameter's transpose) is compared with that parameter in the
-saved tensor's dtype. A forward saves its tensors in the same order every step, so the answer
-is kept by shape, dtype, device and place among the forward's tensors of that shape, and the
-comparison (on a GPU, a wait for the values) runs once for each, not every step; another set
-of parameters (:meth:`ParameterCopies.set`, at the parameter scan) forgets the answers. A copy
-is held as it is, version-checked, as the parameter is: plain PyTorch holds it until the
-backward too. (A graph compiled by ``torch.compile`` is held whole before this is asked:
-NOTE [ Graphs compiled by torch.compile ] in packing.py.)
+bits). Nor has autocast's cast of the model's input (an image batch made bfloat16 for the
+first convolution), which NOTE [ Model inputs ] in inputs.py keeps exact in float32 for its
+noise, the largest term of the first layer's weight gradient at 2 bits. Such a tensor is
+recognised by its values: a saved tensor with no node whose shape is a parameter's (or a
+matrix parameter's transpose) or one of the forward's float inputs' is compared with it in
+the saved tensor's dtype. A forward saves its tensors in the same order every step, so the
+answer is kept by shape, dtype, device and place among the forward's tensors of that shape,
+and the comparison (on a GPU, a wait for the values) runs once for each, not every step;
+another set of parameters (:meth:`ParameterCopies.set`, at the parameter scan) forgets the
+answers. A copy is held as it is, version-checked, as the parameter or the input is: plain
+PyTorch holds it until the backward too. (A graph compiled by ``torch.compile`` is held
+whole before this is asked: NOTE [ Graphs compiled by torch.compile ] in packing.py.)
 """
 
 from __future__ import annotations
@@ -57,10 +60,15 @@ class ParameterCopies:
         """A forward starts: places count from the first tensor again."""
         self._count.clear()
 
-    def holds(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (saved, with no autograd node) holds a parameter's values."""
+    def holds(self, t: torch.Tensor, inputs: list[torch.Tensor] | None = None) -> bool:
+        """Whether ``t`` (saved, with no autograd node) holds a parameter's values, or one of
+        ``inputs``' (the forward's own float inputs: their casts)."""
         shape = tuple(t.shape)
         candidates = self._by_shape.get(shape)
+        if inputs:
+            mine = [(x, False) for x in inputs if tuple(x.shape) == shape and x is not t]
+            if mine:
+                candidates = [*(candidates or ()), *mine]
         if candidates is None or not t.is_floating_point():
             return False
         where = (shape, t.dtype, t.device)

@@ -18,7 +18,9 @@ for their noise; token ids, masks and labels because a lossless copy of a tensor
 caller holds only adds memory. Like a parameter it is memory the caller owns: it is
 counted as saved as it is (``passed``), not in the layer's raw or packed bytes. An input
 that needs a gradient (adversarial training) or is computed inside the forward (a
-normalisation, a ``.float()``) is not the caller's tensor and is compressed as before.
+normalisation) is not the caller's tensor and is compressed as before; a cast of a float
+input (autocast's bfloat16 copy, a half input's ``.float()``) is held as well (NOTE [ Copies
+of parameters without a node ] in copies.py).
 What it costs: when the caller drops the batch before the backward (a batch built by
 ``model(x.to(device))`` and nothing else), memctl holds it whole, as plain PyTorch does;
 ``keep_inputs=False`` compresses it instead, at the noise above.
@@ -54,15 +56,20 @@ class ModelInputs:
     def __init__(self) -> None:
         self.ptrs: set[int] = set()
         """Their storages' data pointers (the pack hook tests membership before :meth:`holds`)."""
+        self.floats: list[torch.Tensor] = []
+        """The float ones among them, whose casts are held too (NOTE [ Copies of parameters
+        without a node ] in copies.py)."""
 
     def set(self, values: Iterable[Any]) -> None:
         """The forward's arguments (tensors, and tensors inside tuples, lists and dicts)."""
-        self.ptrs = {t.untyped_storage().data_ptr() for t in _tensors(values, 3)
-                      if not t.requires_grad and t.layout == torch.strided}
+        mine = [t for t in _tensors(values, 3) if not t.requires_grad and t.layout == torch.strided]
+        self.ptrs = {t.untyped_storage().data_ptr() for t in mine}
         self.ptrs.discard(0)
+        self.floats = [t for t in mine if t.is_floating_point()]
 
     def clear(self) -> None:
         self.ptrs = set()
+        self.floats = []
 
     def holds(self, t: torch.Tensor, ptr: int) -> bool:
         """``t`` (whose storage is at ``ptr``) is one of the forward's own inputs (NOTE [ Model inputs ])."""

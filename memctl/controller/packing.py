@@ -795,7 +795,7 @@ class Packer:
                 self.passed += 1
                 return SavedRef(t)
             self._match(t, node)
-        elif self._copies.holds(t):  # a frozen weight's cast: NOTE [ Copies of parameters without a node ]
+        elif self._copies.holds(t, self.inputs.floats):  # NOTE [ Copies of parameters without a node ]
             self.passed += 1
             return SavedRef(t)
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)

@@ -116,3 +116,23 @@ def test_a_nodeless_tensor_is_a_copy_by_its_values() -> None:
     copies.set(list(nn.Linear(16, 8).parameters()))  # other parameters: asked again
     copies.begin_forward()
     assert not copies.holds(cast)
+
+
+def test_autocasts_copy_of_the_input_is_held_as_the_input_is() -> None:
+    """NOTE [ Model inputs ]: the image is kept exact in float32; its bfloat16 cast under
+    autocast too (the first layer's weight gradient reads it: here plain's to the bit)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1))
+    plain = copy.deepcopy(model)
+    ctl = memctl.Controller(model, bits=2, monitor_interval_s=0, calibration_fraction=0)
+    x = torch.randn(8, 3, 32, 32)
+    for net in (model, plain):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = net(x)
+            out.float().sum().backward()
+            if net is model:
+                ctl.step()
+    assert model[0].weight.grad is not None and plain[0].weight.grad is not None
+    assert torch.equal(model[0].weight.grad, plain[0].weight.grad)
+    ctl.detach()
