@@ -54,7 +54,11 @@ or the head. Compressed as plain quantisation, a compiled ResNet-18 did not lear
 (loss 2.26 -> 2.21 in 20 steps, plain compiled 2.26 -> 0.007) and its gradient's cosine to
 plain's was 0.98 at 8 bits. So a tensor saved by a compiled graph (known from the frame that
 saves it, :func:`_from_compiled_graph`) is held as it is, version-checked, like a parameter,
-and the first one is reported once (a warning and the log). Parts of the model left
+and the first one is reported once (a warning and the log). The frame is looked at for a
+tensor that needs no gradient (what a compiled graph computes) and, once one compiled graph
+was seen, for every tensor (an activation of the eager part saved as a compiled submodule's
+input), so that a model without one pays a frame walk only for its few tensors without a
+gradient. Parts of the model left
 uncompiled (a compiled submodule inside an eager model: its graph's tensors are held, the
 rest compressed) are compressed as in eager mode.
 
@@ -712,14 +716,6 @@ class Packer:
         if _current_node() is not None:
             self.passed += 1  # NOTE [ Distributed parameters and recomputation ]
             return t
-        if t.grad_fn is None and _from_compiled_graph():  # NOTE [ Graphs compiled by torch.compile ]
-            self.passed += 1
-            self.compiled_passed += 1
-            if not self._compiled_warned:
-                self._compiled_warned = True
-                _log.warning(_COMPILED_WARNING)
-                warnings.warn(_COMPILED_WARNING, RuntimeWarning, stacklevel=2)
-            return SavedRef(t)
         if self.fsdp.active and self.fsdp.contains(t):
             self.passed += 1
             self.fsdp_passed += 1
@@ -732,6 +728,15 @@ class Packer:
             # for the collector to track all step)
             self.passed += 1
             return SavedRef(t)  # NOTE [ In-place checks ]
+        # NOTE [ Graphs compiled by torch.compile ]
+        if (not t.requires_grad or self.compiled_passed) and _from_compiled_graph():
+            self.passed += 1
+            self.compiled_passed += 1
+            if not self._compiled_warned:
+                self._compiled_warned = True
+                _log.warning(_COMPILED_WARNING)
+                warnings.warn(_COMPILED_WARNING, RuntimeWarning, stacklevel=2)
+            return SavedRef(t)
         layer = self._tracker.current
         if self._queueing and layer != ROOT:  # NOTE [ Packs queued in the forward ]
             numel = t.numel()
@@ -2514,7 +2519,10 @@ def _from_compiled_graph() -> bool:
     """Whether the tensor being packed is saved by a graph ``torch.compile`` made: AOTAutograd runs
     it as the autograd function ``CompiledFunction``, whose ``apply`` saves its tensors (NOTE [ Graphs
     compiled by torch.compile ])."""
-    frame: types.FrameType | None = sys._getframe(2)
+    try:
+        frame: types.FrameType | None = sys._getframe(2)
+    except ValueError:  # called from the top of a stack (nothing compiled saves that way)
+        return False
     for _ in range(4):
         if frame is None:
             return False
