@@ -44,24 +44,26 @@ def device_total_bytes(device: torch.device) -> int | None:
         return None
 
 
+def _strided(tensors: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``tensors``, a sparse one (``nn.Embedding(sparse=True)``'s gradient, which has no storage
+    to read) as its index and value tensors; one of another layout is left out."""
+    for t in tensors:
+        if t.layout == torch.strided:
+            yield t
+        elif t.layout == torch.sparse_coo:
+            yield from (t._indices(), t._values())
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            yield from (t.crow_indices(), t.col_indices(), t.values())
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            yield from (t.ccol_indices(), t.row_indices(), t.values())
+
+
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     seen: set[tuple[str, int]] = set()
     total = 0
-    for t in tensors:
+    for t in _strided(tensors):
         if t.device.type == "meta":
-            continue
-        if t.layout != torch.strided:  # a sparse gradient (``nn.Embedding(sparse=True)``): its parts
-            parts: tuple[torch.Tensor, ...]
-            if t.layout == torch.sparse_coo:
-                parts = (t._indices(), t._values())
-            elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-                parts = (t.crow_indices(), t.col_indices(), t.values())
-            elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-                parts = (t.ccol_indices(), t.row_indices(), t.values())
-            else:  # another layout: nothing to read its storage by
-                continue
-            total += tensor_bytes(iter(parts))
             continue
         storage = local_tensor(t).untyped_storage()  # a DTensor's own storage cannot be read
         key = (str(t.device), storage.data_ptr())

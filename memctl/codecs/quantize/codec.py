@@ -207,7 +207,8 @@ def _exceptions(flat: torch.Tensor, source: torch.Tensor | None = None) -> tuple
 
 
 def _source_exceptions(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and values (as float32) of the non-finite entries of a tensor of any shape."""
+    """Positions and values (as float32; a float64 tensor's in float64) of the non-finite entries of
+    a tensor of any shape."""
     return _exceptions(_flat_float32(t), t)
 
 
