@@ -20,6 +20,17 @@ caught: it is logged (with its traceback), counted (``stats()["errors"]``) and r
 as an ``error`` event; the step still advances, the step's records are dropped, and the
 layers keep the bits of the last allocation that succeeded.
 
+NOTE [ One boundary per step ]
+With an optimizer the controller advances in the optimizer's step post-hook; ``step()`` is
+for a controller made without one. Training loops written for the latter, or for both,
+call ``ctl.step()`` after ``optimizer.step()`` too, and each call was a second boundary:
+a step with no forward, whose empty records replaced the real step's in ``stats()``
+(``raw_bytes`` 0, ``ratio`` 1.0 on every read), with the step count, the allocation's
+cadence and the probes' share running at twice the rate. So a ``step()`` after the
+optimizer's hook made the boundary, before the model's next forward under grad, is
+ignored, with one warning (and a log line) that says why. Without an optimizer every call
+advances, as before.
+
 NOTE [ Small tensors kept as they are ]
 A float tensor under ``min_numel`` values is kept as it is: the pack hook's Python costs
 tens of microseconds a tensor, as much as the op that saved a small one. A loop over time
@@ -79,6 +90,13 @@ _log = logging.getLogger("memctl.controller")
 
 _SMALL_HINT_BYTES = 1 << 20
 """Least bytes in small tensors for NOTE [ Small tensors kept as they are ]'s hint."""
+
+_STEP_TWICE = (
+    "memctl: Controller.step() was called after optimizer.step() had already advanced the "
+    "controller (a controller made with an optimizer steps with it); this call and later ones "
+    "like it are ignored. Remove the ctl.step() call, or make the Controller without the "
+    "optimizer and keep it (NOTE [ One boundary per step ])."
+)
 
 _TRAIN_EVERY = 8
 """Most steps between two reads of the training gradient's ‖ĝ‖² (NOTE [ Gradient scale between
@@ -214,6 +232,9 @@ class Controller:
         """The last boundary's statistics while read late (NOTE [ Statistics read a step late ]): the
         read, its records, and the step whose ‖ĝ‖² it holds (None: it holds none)."""
         self._leaving = False
+        self._stepped_by_optimizer = False
+        """The optimizer's step hook made the last boundary, and no forward ran since."""
+        self._step_warned = False
         self._leave_handle: Any = None
         self._await_output = False
         self._replaying = False
@@ -333,7 +354,10 @@ class Controller:
             if self._calibration_due():
                 self._capture = self._replayer.capture(args, kwargs)
                 self._await_output = True
+        elif self._tracker.model_depth == 0:
+            self._scope.to_top()  # NOTE [ Two controllers ] in hooks.py
         if self._tracker.model_depth == 0:
+            self._stepped_by_optimizer = False  # NOTE [ One boundary per step ]
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
             samples = 0
             if first is not None and first.dim() > self.config.batch_dim:
@@ -396,7 +420,8 @@ class Controller:
         return hook
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.step()
+        self._advance()
+        self._stepped_by_optimizer = True
 
     def _on_fallback(self, layer: str, exc: BaseException) -> None:
         self._fallbacks += 1
@@ -429,13 +454,25 @@ class Controller:
 
     # -- the step boundary -----------------------------------------------------------
     def step(self) -> None:
-        """Advance one step (called by the optimizer's step post-hook).
+        """Advance one step: call it after each optimizer step when the controller was made
+        without an optimizer; with one, its step post-hook does it, and a call here after
+        that step (before the model's next forward) is ignored with a warning once (NOTE
+        [ One boundary per step ]).
 
         Never raises (NOTE [ Errors at the step boundary ]): an error in the statistics,
         policy or allocation code is logged, counted in ``stats()["errors"]`` and recorded
         as an event; the step still advances and training goes on at the last good
         allocation.
         """
+        if self._stepped_by_optimizer:
+            if not self._step_warned:
+                self._step_warned = True
+                _log.warning(_STEP_TWICE)
+                warnings.warn(_STEP_TWICE, RuntimeWarning, stacklevel=2)
+            return
+        self._advance()
+
+    def _advance(self) -> None:
         start = self._step
         if self._leaving:
             self._leave()

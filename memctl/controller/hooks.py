@@ -21,6 +21,22 @@ and the next forward of the model opens it again. ``close()`` from another threa
 (``detach()`` from a server or signal thread) cannot touch the owner thread's stack, so
 it makes the hooks inert instead; they remove themselves at that thread's next pack.
 
+NOTE [ Two controllers ]
+Autograd hands a saved tensor to the top pair of the stack only. With two controllers on two
+models trained in turn (a GAN's generator and discriminator, each with its own optimizer), a
+window stays open from its model's forward to its optimizer's step, so the windows overlap:
+the generator's forward opens its window above the discriminator's, still open since the
+discriminator's last forward, and the discriminator's next forward found its own window open
+and did not push it again. Its tensors went to the generator's hooks, which held them as
+they are (saved outside the generator's forward): nothing of the discriminator's second
+forward was compressed, and the generator's controller counted it. So a model's forward,
+when its window is already open but not on top of this thread's stack, moves its pair to
+the top (``to_top``: removed where it sits, pushed again), and each model's tensors reach
+its own controller. Only other controllers' pairs are passed over, and they keep their
+order: a pair that is not a controller's (a ``saved_tensors_hooks`` context of the user's,
+``save_on_cpu``) stays on top, since its context pops the top pair when it exits, whoever
+pushed it.
+
 NOTE [ Module attribution ]
 Every submodule gets a forward pre-hook that pushes its name and a forward hook (with
 ``always_call=True``) that pops it, so the pack hook attributes a tensor to the innermost
@@ -79,6 +95,29 @@ class SavedTensorScope:
         self._thread = threading.get_ident()
         self._inert = False
         return True
+
+    def to_top(self) -> None:
+        """Move the open hooks above other controllers' pairs pushed after them, to the top of
+        this thread's stack, where autograd finds them first (NOTE [ Two controllers ]); a
+        pair that is not a controller's (the user's own hooks) stays on top."""
+        if self._thread != threading.get_ident():
+            return
+        hooks = torch._C._autograd
+        above: list[tuple[PackFn, UnpackFn]] = []
+        while True:
+            top = hooks._top_saved_tensors_default_hooks(True)
+            if top is None or top[0] is self._pack or not isinstance(
+                    getattr(top[0], "__self__", None), SavedTensorScope):
+                break
+            hooks._pop_saved_tensors_default_hooks()
+            above.append((top[0], top[1]))
+        mine = top is not None and top[0] is self._pack and bool(above)
+        if mine:
+            hooks._pop_saved_tensors_default_hooks()
+        for pack, unpack in reversed(above):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
+        if mine:
+            hooks._push_saved_tensors_default_hooks(self._pack, self._unpack)
 
     def _pack_hook(self, t: torch.Tensor) -> Any:
         if not self._inert and self._capturing():

@@ -217,6 +217,101 @@ def test_two_controllers_do_not_interfere() -> None:
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
+def test_each_of_two_models_trained_in_turn_reaches_its_own_controller() -> None:
+    """NOTE [ Two controllers ]: a GAN's two models, each with its own controller and
+    optimizer, whose windows overlap; the discriminator's forward in the generator's step
+    and its next forward (its window open below the generator's) go to its own controller."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
+    disc = nn.Sequential(nn.Linear(256, 256), nn.LeakyReLU(0.2), nn.Linear(256, 1))
+    cg, og = _controller(gen, bits=2)
+    cd, od = _controller(disc, bits=2)
+    seen: dict[str, list[str]] = {"gen": [], "disc": []}
+    for name, ctl in (("gen", cg), ("disc", cd)):
+        pack = ctl._packer.pack
+
+        def spy(t: torch.Tensor, pack: Any = pack, name: str = name, tracker: Any = ctl._tracker) -> Any:
+            seen[name].append(tracker.current)
+            return pack(t)
+
+        ctl._scope._inner_pack = spy
+    bce = nn.functional.binary_cross_entropy_with_logits
+    for _ in range(3):
+        for k in seen:
+            seen[k].clear()
+        fake = gen(torch.randn(64, 16))
+        real = torch.randn(64, 256)
+        loss_d = bce(disc(real), torch.ones(64, 1)) + bce(disc(fake.detach()), torch.zeros(64, 1))
+        od.zero_grad()
+        loss_d.backward()
+        od.step()
+        loss_g = bce(disc(fake), torch.ones(64, 1))
+        og.zero_grad()
+        loss_g.backward()
+        og.step()
+    # the generator's controller saw its own forward and no discriminator layer
+    assert seen["gen"] and set(seen["gen"]) <= {"0", "1", "2", "3", ROOT}
+    assert {"0", "1", "2"} <= set(seen["disc"])
+    sg, sd = cg.stats(), cd.stats()
+    assert sg["step"] == sd["step"] == 3
+    assert sg["ratio"] > 4 and sd["ratio"] > 4
+    cg.detach()
+    cd.detach()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def test_a_users_hooks_around_a_forward_stay_on_top() -> None:
+    """A ``saved_tensors_hooks`` context the user opens around a forward, with the model's
+    window open below it, still gets the tensors and pops its own pair."""
+    model = MLP()
+    ctl, opt = _controller(model)
+    x, y = batch_for(model)
+    loss_for(model, model(x), y).backward()  # the window opens and stays open until the step
+    got: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        got.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = loss_for(model, model(x), y)
+    assert got
+    loss.backward()
+    opt.step()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    ctl.detach()
+
+
+def test_a_step_after_the_optimizers_is_ignored_with_one_warning() -> None:
+    """NOTE [ One boundary per step ]: ``ctl.step()`` after ``optimizer.step()`` of a
+    controller made with that optimizer made a second, empty boundary (``raw_bytes`` 0)."""
+    model = MLP()
+    ctl, opt = _controller(model)
+    with pytest.warns(RuntimeWarning, match="already advanced") as caught:
+        for seed in range(3):
+            _train_step(model, opt, seed)
+            ctl.step()
+            ctl.step()
+    assert len([w for w in caught if "already advanced" in str(w.message)]) == 1
+    stats = ctl.stats()
+    assert stats["step"] == 3
+    assert stats["raw_bytes"] > 0 and stats["ratio"] > 2
+    ctl.detach()
+
+
+def test_a_controller_without_an_optimizer_steps_at_each_call() -> None:
+    model = MLP()
+    ctl = memctl.Controller(model, monitor_interval_s=0, min_numel=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for seed in range(3):
+        _train_step(model, opt, seed)
+        ctl.step()
+    assert ctl.stats()["step"] == 3 and ctl.stats()["raw_bytes"] > 0
+    ctl.step()  # no forward since: a step all the same, as asked
+    assert ctl.stats()["step"] == 4
+    ctl.detach()
+
+
 def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     model = MLP()
     ctl, opt = _controller(model)
