@@ -31,6 +31,16 @@ optimizer's hook made the boundary, before the model's next forward under grad, 
 ignored, with one warning (and a log line) that says why. Without an optimizer every call
 advances, as before.
 
+NOTE [ Wrapped optimizers ]
+accelerate's ``Accelerator.prepare`` returns an ``AcceleratedOptimizer``: a subclass of
+``torch.optim.Optimizer`` that does not run its ``__init__``, so it has no step hooks
+(registering one raised ``AttributeError`` inside ``Controller(...)``), and that calls the
+optimizer it wraps (``.optimizer``) only when the gradients are synchronised, once per
+accumulated step. The controller hooks the wrapped optimizer instead (through up to four
+such wrappers), which steps once per real optimizer step; ``ctl.optimizer`` is that one. A
+wrapper without hooks and without a wrapped optimizer is a ``ConfigError`` that names the
+two ways out.
+
 NOTE [ Small tensors kept as they are ]
 A float tensor under ``min_numel`` values is kept as it is: the pack hook's Python costs
 tens of microseconds a tensor, as much as the op that saved a small one. A loop over time
@@ -98,6 +108,24 @@ _STEP_TWICE = (
     "optimizer and keep it (NOTE [ One boundary per step ])."
 )
 
+def _hookable(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The optimizer whose step hooks fire: ``optimizer``, or the one it wraps (NOTE
+    [ Wrapped optimizers ])."""
+    outer = optimizer
+    for _ in range(4):
+        if optimizer is None or hasattr(optimizer, "_optimizer_step_post_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    raise ConfigError(
+        f"optimizer {type(outer).__name__} has no step hooks (it does not run "
+        "torch.optim.Optimizer.__init__) and wraps no optimizer that has them as .optimizer; pass "
+        "the torch.optim.Optimizer it wraps, or pass optimizer=None and call ctl.step() after each "
+        "optimizer step")
+
+
 _TRAIN_EVERY = 8
 """Most steps between two reads of the training gradient's ‖ĝ‖² (NOTE [ Gradient scale between
 probes ]); the steps that gather the layers' statistics read it too."""
@@ -151,6 +179,7 @@ class Controller:
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
             )
+        optimizer = _hookable(optimizer)  # NOTE [ Wrapped optimizers ]
         managed = managing_hooks(model)
         if managed:
             raise ConfigError(
@@ -203,6 +232,8 @@ class Controller:
         self._recurrent = RecurrentMode()
         self._packer = Packer(self.config, self._tracker, self._choice_for, self._on_fallback)
         self._tracker.on_exit = self._packer.observe
+        self._tracker.on_entry = self._on_entry
+        self._entered = False
         self._packer.set_parameters(model)
         self._scope = SavedTensorScope(self._packer.pack, self._packer.unpack, self._capturing)
         self._handles: list[Any] = []
@@ -395,10 +426,28 @@ class Controller:
         LightningModule's ``training_step`` calling ``self.net(x)``): call this before the
         step's forward. The optimizer's step closes the window as usual.
         """
-        if torch.is_grad_enabled() and self._scope.open():
+        if not torch.is_grad_enabled():
+            return
+        if self._scope.open():
             self._packer.begin_step(self._step, ranging=self._probing)
             self._tracker.reset()
             self._calls_at_open = self._tracker.module_calls
+        else:
+            self._scope.to_top()  # NOTE [ Two controllers ] in hooks.py
+
+    def _on_entry(self, name: str, args: Any) -> None:
+        """A submodule's forward outside the model's (NOTE [ Forwards that enter below the
+        model ] in hooks.py)."""
+        if self._replaying or not torch.is_grad_enabled():
+            return
+        if not self._entered:
+            self._entered = True
+            _log.info("memctl: submodule %r ran outside the model's own forward; its forward opens the "
+                      "capture window (no batch count and no calibration probes for such forwards)", name)
+            self._event("entry", f"forward entered below the model at {name!r}")
+        self.begin_step()
+        if self.config.keep_inputs:
+            self._packer.inputs.set(args)  # NOTE [ Model inputs ] in inputs.py
 
     def _grad_probe(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:

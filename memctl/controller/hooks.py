@@ -37,6 +37,21 @@ order: a pair that is not a controller's (a ``saved_tensors_hooks`` context of t
 ``save_on_cpu``) stays on top, since its context pops the top pair when it exits, whoever
 pushed it.
 
+NOTE [ Forwards that enter below the model ]
+The window opens when the model's own forward starts. A model that is a container (a
+``ModuleDict`` of an encoder and a decoder, a GAN's two networks, a diffusion model's parts)
+has no forward of its own that training calls: the loop calls ``model["enc"](x)`` and
+``model["dec"](h)``, and memctl compressed nothing, silently (ratio 1.0, an ``allocation``
+event "no layers saved activations"). So a submodule's forward that starts under grad outside
+the model's forward, with no module running, opens the window as ``Controller.begin_step()``
+does (and moves it above other controllers' pairs, NOTE [ Two controllers ]); the tensors
+are attributed to the modules as usual, the submodule's own inputs are held by reference as
+the model's are (NOTE [ Model inputs ]), and the optimizer's step closes the window. The
+rest of what only the model's own forward does is not done for such forwards: the batch is
+not counted (``batch_size`` stays None) and the calibration probes, which replay the model's
+forward, do not run, so layers keep the policy's bits before measurement (no layer gets 1
+bit). A log line and an ``entry`` event say so once.
+
 NOTE [ Module attribution ]
 Every submodule gets a forward pre-hook that pushes its name and a forward hook (with
 ``always_call=True``) that pops it, so the pack hook attributes a tensor to the innermost
@@ -172,6 +187,9 @@ class ModuleTracker:
         self.module_calls = 0
         self.on_exit: Callable[[Any], None] | None = None
         """Called with each submodule's output (the packer matches region codes there)."""
+        self.on_entry: Callable[[str, Any], None] | None = None
+        """Called with a submodule's name and arguments when it runs outside the model's
+        forward (NOTE [ Forwards that enter below the model ])."""
 
     @property
     def model_depth(self) -> int:
@@ -205,6 +223,8 @@ class ModuleTracker:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return
+            if not stack and self._depth == 0 and self.on_entry is not None:
+                self.on_entry(name, args)  # NOTE [ Forwards that enter below the model ]
             stack.append(name)
             self.current = name
             self.module_calls += 1

@@ -312,6 +312,116 @@ def test_a_controller_without_an_optimizer_steps_at_each_call() -> None:
     ctl.detach()
 
 
+def test_a_container_whose_parts_are_called_is_compressed() -> None:
+    """NOTE [ Forwards that enter below the model ]: a ``ModuleDict`` of an encoder and a
+    decoder, called part by part, has no forward of its own; memctl compressed nothing."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Tanh())
+    dec = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    parts = nn.ModuleDict({"enc": enc, "dec": dec})
+    plain = copy.deepcopy(parts)
+    ctl, opt = _controller(parts, bits=8, min_numel=4096)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    grads = []
+    for model in (parts, plain):
+        model.zero_grad()
+        nn.functional.cross_entropy(model["dec"](model["enc"](x)), y).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    opt.step()
+    assert nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.9999
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(parts["dec"](parts["enc"](x)), y).backward()
+        opt.step()
+    stats = ctl.stats()
+    assert stats["step"] == 4
+    assert stats["ratio"] > 3  # 8 bits
+    names = {e["name"] for e in stats["layers"]}
+    assert {"enc.1", "enc.3", "dec.1"} <= names
+    assert "enc.0" not in names  # the encoder's input, held as a model input is
+    assert [e["kind"] for e in stats["events"]].count("entry") == 1
+    ctl.detach()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+def test_a_models_own_forward_is_no_entry_below_it() -> None:
+    model = MLP()
+    ctl, opt = _controller(model)
+    for seed in range(2):
+        _train_step(model, opt, seed)
+    assert "entry" not in [e["kind"] for e in ctl.stats()["events"]]
+    ctl.detach()
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's: an Optimizer that skips ``Optimizer.__init__`` (no
+    step hooks) and steps the optimizer it wraps every ``every`` calls."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, every: int = 1) -> None:
+        self.optimizer = optimizer
+        self.every = every
+        self.calls = 0
+
+    @property
+    def param_groups(self) -> Any:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.calls % self.every == 0:
+            self.optimizer.zero_grad()
+
+
+def test_a_wrapped_optimizer_steps_the_controller_once_per_real_step() -> None:
+    """NOTE [ Wrapped optimizers ]: registering a step hook on the wrapper raised inside
+    ``Controller(...)``; the wrapped optimizer is hooked, and steps once per two micro-batches."""
+    model = MLP()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = _Wrapper(inner, every=2)
+    ctl = memctl.Controller(model, wrapper, monitor_interval_s=0, min_numel=64)
+    assert ctl.optimizer is inner
+    for seed in range(6):
+        x, y = batch_for(model, seed=seed)
+        loss_for(model, model(x), y).backward()
+        wrapper.step()
+        wrapper.zero_grad()
+    stats = ctl.stats()
+    assert stats["step"] == 3 and stats["micro_batches"] == 2
+    assert stats["raw_bytes"] > 0
+    ctl.detach()
+
+
+def test_a_wrapper_with_nothing_to_hook_is_a_clear_error() -> None:
+    model = MLP()
+    bare = _Wrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    bare.optimizer = None  # type: ignore[assignment]
+    with pytest.raises(memctl.ConfigError, match=r"no step hooks.*optimizer=None"):
+        memctl.Controller(model, bare, monitor_interval_s=0)
+
+
+def test_accelerates_optimizer_is_unwrapped() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    model = MLP()
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ctl = memctl.Controller(model, opt, monitor_interval_s=0, min_numel=64)
+    for seed in range(4):
+        with acc.accumulate(model):
+            x, y = batch_for(model, seed=seed)
+            acc.backward(loss_for(model, model(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert ctl.stats()["step"] == 2 and ctl.stats()["micro_batches"] == 2
+    ctl.detach()
+    # accelerate keeps its state in process-wide singletons: leave none for the Trainer's tests
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+
+
 def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     model = MLP()
     ctl, opt = _controller(model)
