@@ -78,7 +78,7 @@ from memctl.controller.device import resolve_device
 from memctl.controller.distributed import RankSync, local_rank, rank_info, resolve_group
 from memctl.controller.gates import GateFloors
 from memctl.controller.guard import ConvergenceGuard, LayerNoise
-from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope
+from memctl.controller.hooks import MODEL, ROOT, ModuleTracker, SavedTensorScope, hookable_modules
 from memctl.controller.packing import Packer
 from memctl.controller.probe import ProbeResult, run_probe
 from memctl.controller.probe_share import apply_share, replay_module, share_probe
@@ -175,6 +175,11 @@ class Controller:
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, torch.jit.ScriptModule):  # NOTE [ TorchScript submodules ] in hooks.py
+            raise ConfigError(
+                f"model is a TorchScript module ({type(model).__name__}), which takes no forward hooks; "
+                "attach the Controller to the eager model (script it after training, or script "
+                "submodules only: those are left unhooked)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
@@ -286,7 +291,7 @@ class Controller:
         if self.config.fused_rnn:  # NOTE [ Fused recurrent layers ]
             self._handles.extend(attach_recurrent(model, self._recurrent))
         self._handles.extend(self._packer.fsdp.attach(model))
-        for name, module in model.named_modules():
+        for name, module in hookable_modules(model):  # NOTE [ TorchScript submodules ] in hooks.py
             if module is model or not any(True for _ in module.parameters(recurse=False)):
                 continue
             self._layers.setdefault(name, LayerState(name=name, kernel=_kernel_size(module)))

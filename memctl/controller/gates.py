@@ -57,6 +57,7 @@ from torch import nn
 
 from memctl.controller.copysafe import ControllerHook
 from memctl.controller.floors import VIEWS
+from memctl.controller.hooks import hookable_modules
 
 __all__ = ["GATE_RATIO", "GateFloors"]
 
@@ -128,7 +129,7 @@ class GateFloors:
         """Note every module's input and output node in the next forward (one forward)."""
         if self._neighbours is not None or self._handles or not self.gates:
             return
-        for name, module in self._model.named_modules():
+        for name, module in hookable_modules(self._model):  # NOTE [ TorchScript submodules ]
             if not name:
                 continue
             # NOTE [ Copies of an attached model ]: a copy of the model does not inherit them

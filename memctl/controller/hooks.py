@@ -52,6 +52,14 @@ not counted (``batch_size`` stays None) and the calibration probes, which replay
 forward, do not run, so layers keep the policy's bits before measurement (no layer gets 1
 bit). A log line and an ``entry`` event say so once.
 
+NOTE [ TorchScript submodules ]
+A submodule compiled by ``torch.jit.script`` takes no Python hooks (registering one raises
+``RuntimeError: ... is not supported on ScriptModules``, which ended ``Controller(...)`` for
+a model holding one). Such a submodule and everything inside it are left unhooked
+(:func:`hookable_modules`): its forward runs under its parent's name, and its saved tensors
+go through the saved-tensor hooks as any other (they are autograd's), attributed to the
+parent. A model that is itself a ScriptModule cannot be attached (a ``ConfigError``).
+
 NOTE [ Module attribution ]
 Every submodule gets a forward pre-hook that pushes its name and a forward hook (with
 ``always_call=True``) that pops it, so the pack hook attributes a tensor to the innermost
@@ -66,7 +74,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,7 +82,7 @@ import torch
 from memctl.controller.copysafe import ControllerHook
 from memctl.controller.versions import SavedRef
 
-__all__ = ["MODEL", "ROOT", "ModuleTracker", "SavedTensorScope"]
+__all__ = ["MODEL", "ROOT", "ModuleTracker", "SavedTensorScope", "hookable_modules"]
 
 _log = logging.getLogger("memctl.controller")
 
@@ -85,6 +93,19 @@ MODEL = "<model>"
 
 PackFn = Callable[[torch.Tensor], Any]
 UnpackFn = Callable[[Any], torch.Tensor]
+
+
+def hookable_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()`` without TorchScript modules and what they hold (NOTE
+    [ TorchScript submodules ])."""
+    scripted: list[str] = []
+    for name, module in model.named_modules():
+        if scripted and any(name.startswith(prefix) for prefix in scripted):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted.append(f"{name}.")
+            continue
+        yield name, module
 
 
 class SavedTensorScope:
@@ -205,7 +226,7 @@ class ModuleTracker:
     def attach(self, model: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Register the hooks on every submodule; returns their handles."""
         handles = []
-        for name, module in model.named_modules():
+        for name, module in hookable_modules(model):  # NOTE [ TorchScript submodules ]
             if module is model:
                 continue
             pre, post = ControllerHook(self._pre_hook(name)), ControllerHook(self._post_hook(name))

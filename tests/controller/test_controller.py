@@ -422,6 +422,45 @@ def test_accelerates_optimizer_is_unwrapped() -> None:
     accelerate.state.GradientState._reset_state()
 
 
+class _ScriptedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_a_scripted_submodule_is_left_unhooked_and_its_tensors_are_compressed() -> None:
+    """NOTE [ TorchScript submodules ]: registering a hook on a ScriptModule raised inside
+    ``Controller(...)``."""
+    torch.manual_seed(0)
+    block = torch.jit.script(_ScriptedBlock())
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), block, nn.Linear(256, 10))
+    plain = copy.deepcopy(model)
+    ctl, opt = _controller(model, bits=8, min_numel=4096)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    grads = []
+    for net in (model, plain):
+        net.zero_grad()
+        xg = x.clone().requires_grad_(True)  # the input's gradient passes through the scripted block
+        nn.functional.cross_entropy(net(xg), y).backward()
+        # (a scripted module's parameters, read through its parent, are not always leaves)
+        grads.append(torch.cat([xg.grad.flatten(), *(p.grad.flatten() for n, p in net.named_parameters()
+                                                     if not n.startswith("2."))]))
+    opt.step()
+    assert nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.9999
+    stats = ctl.stats()
+    assert stats["raw_bytes"] > 0 and stats["ratio"] > 3
+    assert not any(e["name"].startswith("2.") for e in stats["layers"])  # nothing inside is hooked
+    ctl.detach()
+
+
+def test_a_scripted_model_is_a_clear_error() -> None:
+    with pytest.raises(memctl.ConfigError, match="TorchScript"):
+        memctl.Controller(torch.jit.script(_ScriptedBlock()), monitor_interval_s=0)
+
+
 def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     model = MLP()
     ctl, opt = _controller(model)
