@@ -31,6 +31,22 @@ optimizer's hook made the boundary, before the model's next forward under grad, 
 ignored, with one warning (and a log line) that says why. Without an optimizer every call
 advances, as before.
 
+NOTE [ Skipped optimizer steps ]
+A gradient scaler (``torch.amp.GradScaler``, fp16 training) skips ``optimizer.step()``
+when the gradients overflowed: at the start of every fp16 run (the first scales are too
+large) and now and then later. No step hook fires, so the next forward was counted as
+another micro-batch of the same step (twelve skipped steps: ``micro_batches`` 12), the
+calibration probe replayed a capture twelve forwards old, and the guard read its result
+as an absurd gradient and raised bits. A skipped step is known by its gradients: one
+parameter of the optimizer's is watched (a post-accumulate-grad hook says a backward
+reached it), and when the model's next forward starts with that gradient cleared
+(``zero_grad()`` sets it to None) the step boundary runs there, as at an optimizer step
+(without a probe: it runs inside the model's forward pre-hook), with a ``skipped_step``
+event the first time. Gradient accumulation keeps the gradient between micro-batches and
+is not mistaken for it; nor is a setup whose ``.grad`` is never filled (FSDP2 between
+synchronised micro-batches, sharded optimizers), since the hook then never fires. After
+``zero_grad(set_to_none=False)`` a skipped step still counts as a micro-batch, as before.
+
 NOTE [ Wrapped optimizers ]
 accelerate's ``Accelerator.prepare`` returns an ``AcceleratedOptimizer``: a subclass of
 ``torch.optim.Optimizer`` that does not run its ``__init__``, so it has no step hooks
@@ -270,6 +286,10 @@ class Controller:
         self._leaving = False
         self._stepped_by_optimizer = False
         """The optimizer's step hook made the last boundary, and no forward ran since."""
+        self._sentinel: torch.Tensor | None = None
+        """A parameter of the optimizer's whose gradient is watched (NOTE [ Skipped optimizer steps ])."""
+        self._grad_arrived = False
+        self._skipped = 0
         self._step_warned = False
         self._leave_handle: Any = None
         self._await_output = False
@@ -298,6 +318,11 @@ class Controller:
             self._handles.append(module.register_forward_hook(ControllerHook(self._grad_probe(name))))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(ControllerHook(self._on_optimizer_step)))
+            self._sentinel = next((p for g in self.optimizer.param_groups for p in g["params"]
+                                   if isinstance(p, torch.Tensor) and p.requires_grad and p.is_leaf), None)
+            if self._sentinel is not None:  # NOTE [ Skipped optimizer steps ]
+                self._handles.append(self._sentinel.register_post_accumulate_grad_hook(
+                    ControllerHook(self._on_sentinel_grad)))
         self._refresh_gates()
         if self.config.monitor_interval_s > 0:
             from memctl.monitor import Sampler, select_reader
@@ -383,6 +408,9 @@ class Controller:
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._replaying or not torch.is_grad_enabled():
             return
+        if self._grad_arrived and self._tracker.model_depth == 0 and self._sentinel is not None \
+                and self._sentinel.grad is None and self._scope.is_open:
+            self._skipped_step()  # NOTE [ Skipped optimizer steps ]
         if self._scope.open():
             self._packer.begin_step(self._step, ranging=self._probing)
             self._tracker.reset()
@@ -526,7 +554,24 @@ class Controller:
             return
         self._advance()
 
+    def _on_sentinel_grad(self, param: torch.Tensor) -> None:
+        self._grad_arrived = True  # NOTE [ Skipped optimizer steps ]
+
+    def _skipped_step(self) -> None:
+        """The gradients were cleared after a backward with no optimizer step between: the
+        step was skipped (NOTE [ Skipped optimizer steps ])."""
+        self._skipped += 1
+        if self._skipped == 1:
+            _log.info("memctl: the gradients were cleared without an optimizer step (a step skipped by "
+                      "a gradient scaler?); the controller advances at such steps as at optimizer steps")
+            self._event("skipped_step", "gradients cleared without an optimizer step: the controller "
+                        "advanced as at an optimizer step")
+        self._capture = None  # no probe from inside the model's forward pre-hook
+        self._await_output = False
+        self._advance()
+
     def _advance(self) -> None:
+        self._grad_arrived = False
         start = self._step
         if self._leaving:
             self._leave()

@@ -465,6 +465,42 @@ def test_a_scripted_model_is_a_clear_error() -> None:
         memctl.Controller(torch.jit.script(_ScriptedBlock()), monitor_interval_s=0)
 
 
+def test_a_step_skipped_by_a_gradient_scaler_is_a_step() -> None:
+    """NOTE [ Skipped optimizer steps ]: fp16 with a scale large enough to overflow skips the
+    optimizer's step; the forwards after such steps were counted as micro-batches of one."""
+    model = MLP()
+    ctl, opt = _controller(model, bits=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    x, y = batch_for(model)
+    for _ in range(6):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_for(model, model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() < 2.0**40  # steps were skipped
+    stats = ctl.stats()
+    assert stats["micro_batches"] == 1 and stats["step"] >= 5
+    assert [e["kind"] for e in stats["events"]].count("skipped_step") == 1
+    ctl.detach()
+
+
+def test_accumulation_is_no_skipped_step() -> None:
+    model = MLP()
+    ctl, opt = _controller(model, bits=2)
+    for _ in range(2):
+        for micro in range(3):
+            x, y = batch_for(model, seed=micro)
+            loss_for(model, model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = ctl.stats()
+    assert stats["step"] == 2 and stats["micro_batches"] == 3
+    assert "skipped_step" not in [e["kind"] for e in stats["events"]]
+    ctl.detach()
+
+
 def test_codec_failure_falls_back_and_training_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     model = MLP()
     ctl, opt = _controller(model)
