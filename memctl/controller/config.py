@@ -69,6 +69,9 @@ class ControllerConfig:
             scale near zero (the scale's own input, the residual sum's reader and the shortcut's
             last layer) while it stays closed (NOTE [ Gates near zero ] in gates.py); ``None``:
             no floor.
+        bottleneck_bits: least bits of the input of a linear layer with at least 8 times more
+            output features than input features (LoRA's ``B``, an adapter's up-projection:
+            NOTE [ Bottleneck inputs ] in bottlenecks.py); ``None``: no floor.
         keep_inputs: save the model's own input tensors by reference instead of compressing
             them (NOTE [ Model inputs ]); on by default.
         fused_rnn: run a CPU ``nn.GRU``/``nn.LSTM``/``nn.RNN`` as one autograd function per layer that
@@ -145,6 +148,7 @@ class ControllerConfig:
     norm_bits: int | None = 4
     head_bits: int | None = 4
     gate_bits: int | None = 4
+    bottleneck_bits: int | None = 8
     keep_inputs: bool = True
     fused_rnn: bool = True
     pause_collector: bool = True
@@ -197,7 +201,8 @@ class ControllerConfig:
                 f"log_prob_bits={self.log_prob_bits!r}: must be 4 or 8 (bits of the stored "
                 "probabilities), or None to keep log-softmax outputs exact"
             )
-        for name in ("attention_bits", "attention_value_bits", "norm_bits", "head_bits", "gate_bits"):
+        for name in ("attention_bits", "attention_value_bits", "norm_bits", "head_bits", "gate_bits",
+                     "bottleneck_bits"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in (2, 4, 8)):
                 raise ConfigError(

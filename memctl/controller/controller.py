@@ -86,6 +86,7 @@ import torch
 
 from memctl.codecs.quantize import settle_checks
 from memctl.controller import memory, oom, policy
+from memctl.controller.bottlenecks import bottleneck_layers
 from memctl.controller.budget import BudgetSpec, format_bytes, parse_budget, resolve_budget
 from memctl.controller.calibration import Calibration
 from memctl.controller.config import KEEP_BITS, ControllerConfig, Objective
@@ -277,6 +278,8 @@ class Controller:
         """NOTE [ Gates near zero ]."""
         self._gate_floors: dict[str, float] = {}
         self._recurrent_layers = recurrent_layers(model)  # NOTE [ No 1 bit for a recurrent layer ]
+        self._bottlenecks = bottleneck_layers(model, self.config.bottleneck_bits)
+        """NOTE [ Bottleneck inputs ] in bottlenecks.py."""
         self._capture: Capture | None = None
         self._trained_at = -_TRAIN_EVERY
         """The last step whose training gradient's ‖ĝ‖² was read (NOTE [ Gradient scale between probes ])."""
@@ -530,6 +533,9 @@ class Controller:
                 choice = self._default_choice[budgeted] = (bits, None)
             floor = self._gate_floors.get(layer) if self._gate_floors else None
             if floor is not None and floor > choice[0]:  # NOTE [ Gates near zero ]
+                return floor, None
+            floor = self._bottlenecks.get(layer) if self._bottlenecks else None
+            if floor is not None and floor > choice[0]:  # NOTE [ Bottleneck inputs ]
                 return floor, None
             return choice
         return state.bits, state.error_bound
@@ -908,6 +914,8 @@ class Controller:
             evidence[name] = max(f, evidence.get(name, f))
         for name in self._recurrent_layers:  # NOTE [ No 1 bit for a recurrent layer ]
             evidence[name] = max(LEAST_BITS, evidence.get(name, LEAST_BITS))
+        for name, f in self._bottlenecks.items():  # NOTE [ Bottleneck inputs ] in bottlenecks.py
+            evidence[name] = max(f, evidence.get(name, f))
         result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed,
                                  calibration.reference(), variance_fn=variance,
                                  floors=self._guard.floors, evidence_floors=evidence)

@@ -126,6 +126,19 @@ the allocation's control, and the same place packs in row groups from the next f
 (NOTE [ Floors known from the last forward ]). A norm output kept at the floor is packed in
 row groups at once. The allocation prices every record at the configured group (a group of
 192 adds 1/96 of a bit a value of metadata: 4% of a record at 2 bits).
+
+NOTE [ Floors through dropout ]
+A norm's output read through a dropout (``F.dropout`` on a CPU multiplies by a mask that has
+no gradient, ``native_dropout`` on a GPU) kept no floor: its reader saved the dropout's
+output, whose node is the mask's product, not the norm's. peft's LoRA applies
+``lora_dropout`` to the norm's output before ``A``, so every adapted projection's ``A`` read
+its input at the layer's 2 bits where, without the dropout (or in full fine-tuning, which
+reads the norm's output itself), it read it at ``norm_bits``: holding those inputs took a
+small Llama's LoRA run at ``bits=2`` from 85.6% to 88.7% of plain's loss drop in 30 steps.
+So the output-kind walk (:meth:`FloorTracker.result_floor`) steps through a dropout's
+product to its operand as it steps through views and casts: a dropout of a norm's output
+takes the norm's floor. (Any product with a tensor without a gradient is taken as such a
+mask: a norm output scaled by a constant tensor keeps its floor too.)
 """
 
 from __future__ import annotations
@@ -390,6 +403,12 @@ class FloorTracker:
                 op = _OPS.get(name)
                 if op is None and _is_rms_norm(node):
                     return NORM
+                if op is None:  # NOTE [ Floors through dropout ]
+                    operand = dropout_operand(node) if name == "MulBackward0" else \
+                        (node.next_functions[0] if name == "NativeDropoutBackward0" else None)
+                    if operand is not None and operand[0] is not None:
+                        node = operand[0]
+                        continue
                 return op.kind if op is not None and op.output else None
             edges = node.next_functions
             if not edges or edges[0][0] is None:

@@ -525,3 +525,23 @@ def test_a_record_at_an_eight_bit_floor_is_not_encoded_again_every_step(
         opt.step()
         opt.zero_grad()
     assert not calls
+
+
+def _bits_read(saved: Any) -> int | None:
+    """The bits a record is read at: its own, or its root's when it is derived."""
+    assert isinstance(saved, Saved)
+    return _stored_bits(saved.data.source) if isinstance(saved.data, Derived) else _stored_bits(saved)
+
+
+@pytest.mark.parametrize("norm_bits", [None, 4, 8])
+def test_a_norm_output_read_through_a_dropout_keeps_the_norm_floor(norm_bits: int | None) -> None:
+    """NOTE [ Floors through dropout ]: peft's LoRA reads ``dropout(norm(x))``; the dropout's
+    output kept the layer's 2 bits where the norm's output itself takes ``norm_bits``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 16, 64, generator=g, requires_grad=True)
+    packer = _packer(norm_bits=norm_bits)
+    packer.set_parameters(nn.Module())
+    with torch.autograd.graph.saved_tensors_hooks(packer.pack, packer.unpack):
+        y = F.dropout(F.layer_norm(x * 2.0, (64,)), 0.1, training=True)
+        saved = packer.pack(y.view(-1, 64))
+    assert _bits_read(saved) == (2 if norm_bits is None else norm_bits)
