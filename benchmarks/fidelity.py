@@ -176,6 +176,18 @@ def _llama() -> nn.Module:
                                         max_position_embeddings=64))
 
 
+def _llama_lora() -> nn.Module:
+    """The Llama above under peft's LoRA (rank 8 on the attention's query and value and the
+    MLP's three projections, ``lora_dropout`` 0.05, the base weights frozen): low-rank
+    fine-tuning, where only the adapters' gradients train (NOTE [ Bottleneck inputs ])."""
+    prepare_torchvision()  # transformers imports torchvision when it is installed
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
+                        target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    return get_peft_model(_llama(), config)
+
+
 def _bert() -> nn.Module:
     prepare_torchvision()  # transformers imports torchvision when it is installed
     from transformers import BertConfig, BertForMaskedLM
@@ -241,6 +253,7 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec("gpt2", "lm", "transformers", _gpt2),
     Spec("gpt2_eager", "lm", "transformers", _gpt2_eager),
     Spec("llama", "lm", "transformers", _llama),
+    Spec("llama_lora", "lm", "peft", _llama_lora),
     Spec("bert", "mlm", "transformers", _bert),
     Spec("t5", "lm", "transformers", _t5),
     Spec("bart", "lm", "transformers", _bart),
@@ -718,9 +731,11 @@ def _available(spec: Spec) -> str | None:
             import_torchvision_models()
         elif spec.library == "timm":
             _timm()
-        elif spec.library == "transformers":
+        elif spec.library in ("transformers", "peft"):
             prepare_torchvision()
             import transformers  # noqa: F401
+            if spec.library == "peft":
+                import peft  # noqa: F401
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
