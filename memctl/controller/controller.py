@@ -125,6 +125,7 @@ _STEP_TWICE = (
     "optimizer and keep it (NOTE [ One boundary per step ])."
 )
 
+
 def _hookable(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
     """The optimizer whose step hooks fire: ``optimizer``, or the one it wraps (NOTE
     [ Wrapped optimizers ])."""
@@ -474,8 +475,8 @@ class Controller:
     def _on_entry(self, name: str, args: Any) -> None:
         """A submodule's forward outside the model's (NOTE [ Forwards that enter below the
         model ] in hooks.py)."""
-        if self._replaying or not torch.is_grad_enabled():
-            return
+        if self._replaying or not torch.is_grad_enabled() or torch._C._current_autograd_node() is not None:
+            return  # (in a backward: a checkpointed region's recomputation)
         if not self._entered:
             self._entered = True
             _log.info("memctl: submodule %r ran outside the model's own forward; its forward opens the "

@@ -44,7 +44,8 @@ has no forward of its own that training calls: the loop calls ``model["enc"](x)`
 ``model["dec"](h)``, and memctl compressed nothing, silently (ratio 1.0, an ``allocation``
 event "no layers saved activations"). So a submodule's forward that starts under grad outside
 the model's forward, with no module running, opens the window as ``Controller.begin_step()``
-does (and moves it above other controllers' pairs, NOTE [ Two controllers ]); the tensors
+does (and moves it above other controllers' pairs, NOTE [ Two controllers ]), unless it runs
+inside a backward (``torch.utils.checkpoint`` recomputing a region); the tensors
 are attributed to the modules as usual, the submodule's own inputs are held by reference as
 the model's are (NOTE [ Model inputs ]), and the optimizer's step closes the window. The
 rest of what only the model's own forward does is not done for such forwards: the batch is
