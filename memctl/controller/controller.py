@@ -293,7 +293,7 @@ class Controller:
         self._sentinel: torch.Tensor | None = None
         """A parameter of the optimizer's whose gradient is watched (NOTE [ Skipped optimizer steps ])."""
         self._grad_arrived = False
-        self._skipped = 0
+        self._skip_reported = False
         self._step_warned = False
         self._leave_handle: Any = None
         self._await_output = False
@@ -415,10 +415,7 @@ class Controller:
         if self._grad_arrived and self._tracker.model_depth == 0 and self._sentinel is not None \
                 and self._sentinel.grad is None and self._scope.is_open:
             self._skipped_step()  # NOTE [ Skipped optimizer steps ]
-        if self._scope.open():
-            self._packer.begin_step(self._step, ranging=self._probing)
-            self._tracker.reset()
-            self._calls_at_open = self._tracker.module_calls
+        if self._open_window():
             if self._calibration_due():
                 self._capture = self._replayer.capture(args, kwargs)
                 self._await_output = True
@@ -463,14 +460,17 @@ class Controller:
         LightningModule's ``training_step`` calling ``self.net(x)``): call this before the
         step's forward. The optimizer's step closes the window as usual.
         """
-        if not torch.is_grad_enabled():
-            return
-        if self._scope.open():
-            self._packer.begin_step(self._step, ranging=self._probing)
-            self._tracker.reset()
-            self._calls_at_open = self._tracker.module_calls
-        else:
+        if torch.is_grad_enabled() and not self._open_window():
             self._scope.to_top()  # NOTE [ Two controllers ] in hooks.py
+
+    def _open_window(self) -> bool:
+        """Open the capture window and start the packer's step; False when it was open already."""
+        if not self._scope.open():
+            return False
+        self._packer.begin_step(self._step, ranging=self._probing)
+        self._tracker.reset()
+        self._calls_at_open = self._tracker.module_calls
+        return True
 
     def _on_entry(self, name: str, args: Any) -> None:
         """A submodule's forward outside the model's (NOTE [ Forwards that enter below the
@@ -532,12 +532,11 @@ class Controller:
                 adaptive = policy.resolve_objective(self.config, budgeted) is Objective.BYTES
                 bits = float(policy.default_bits(self.config, adaptive))
                 choice = self._default_choice[budgeted] = (bits, None)
-            floor = self._gate_floors.get(layer) if self._gate_floors else None
-            if floor is not None and floor > choice[0]:  # NOTE [ Gates near zero ]
-                return floor, None
-            floor = self._bottlenecks.get(layer) if self._bottlenecks else None
-            if floor is not None and floor > choice[0]:  # NOTE [ Bottleneck inputs ]
-                return floor, None
+            # NOTE [ Gates near zero ]; NOTE [ Bottleneck inputs ] in bottlenecks.py
+            for floors in (self._gate_floors, self._bottlenecks):
+                floor = floors.get(layer) if floors else None
+                if floor is not None and floor > choice[0]:
+                    return floor, None
             return choice
         return state.bits, state.error_bound
 
@@ -567,8 +566,8 @@ class Controller:
     def _skipped_step(self) -> None:
         """The gradients were cleared after a backward with no optimizer step between: the
         step was skipped (NOTE [ Skipped optimizer steps ])."""
-        self._skipped += 1
-        if self._skipped == 1:
+        if not self._skip_reported:
+            self._skip_reported = True
             _log.info("memctl: the gradients were cleared without an optimizer step (a step skipped by "
                       "a gradient scaler?); the controller advances at such steps as at optimizer steps")
             self._event("skipped_step", "gradients cleared without an optimizer step: the controller "
@@ -911,12 +910,12 @@ class Controller:
 
         evidence = {s.name: f for s in layers if (f := calibration.floor(s)) is not None}
         self._refresh_gates()
-        for name, f in self._gate_floors.items():  # NOTE [ Gates near zero ]
-            evidence[name] = max(f, evidence.get(name, f))
+        # NOTE [ Gates near zero ]; NOTE [ Bottleneck inputs ] in bottlenecks.py
+        for floors in (self._gate_floors, self._bottlenecks):
+            for name, f in floors.items():
+                evidence[name] = max(f, evidence.get(name, f))
         for name in self._recurrent_layers:  # NOTE [ No 1 bit for a recurrent layer ]
             evidence[name] = max(LEAST_BITS, evidence.get(name, LEAST_BITS))
-        for name, f in self._bottlenecks.items():  # NOTE [ Bottleneck inputs ] in bottlenecks.py
-            evidence[name] = max(f, evidence.get(name, f))
         result = policy.allocate(layers, self.config, self._activation_budget, fallback_g2, fixed,
                                  calibration.reference(), variance_fn=variance,
                                  floors=self._guard.floors, evidence_floors=evidence)

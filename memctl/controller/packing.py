@@ -797,17 +797,18 @@ class Packer:
         node = t.grad_fn
         # plain tuples (a torch.Size would stay tracked by the garbage collector all step)
         shape = tuple(t.shape)
+        # held as the parameter or input it was made from: NOTE [ Copies of parameters ], NOTE
+        # [ Weights computed from parameters ], NOTE [ Copies of parameters without a node ]
         if node is not None:
-            if type(node).__name__ in CASTS and _copy_of_parameter(node):  # NOTE [ Copies of parameters ]
-                self.passed += 1
-                return SavedRef(t)
-            if self._copies.computed(t, node, shape):  # NOTE [ Weights computed from parameters ]
-                self.passed += 1
-                return SavedRef(t)
-            self._match(t, node)
-        elif self._copies.holds(t, self.inputs.floats):  # NOTE [ Copies of parameters without a node ]
+            held = ((type(node).__name__ in CASTS and _copy_of_parameter(node))
+                    or self._copies.computed(t, node, shape))
+        else:
+            held = self._copies.holds(t, self.inputs.floats)
+        if held:
             self.passed += 1
             return SavedRef(t)
+        if node is not None:
+            self._match(t, node)
         flat = t.is_contiguous() and t.numel() > 0  # NOTE [ De-duplication ]: contiguous by place
         key: _DedupKey = (ptr, t.storage_offset(), t.numel() if flat else shape,
                           None if flat else t.stride(), t.dtype, t.device, version)
